@@ -1,0 +1,1 @@
+"""The serving side: engine loop + scheduler (native backend), later the HTTP app."""

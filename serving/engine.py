@@ -1,0 +1,316 @@
+"""The native engine: one step at a time, schedule -> propose -> verify -> commit -> emit.
+
+The engine owns the target, the drafter, both KV caches, the scheduler and the speculation
+controller. It is synchronous and single-threaded on purpose: whoever drives it (a test, a
+benchmark, the server's engine thread) calls `step()` in a loop; `submit` and `abort` may be
+called from other threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specrl.config import Settings
+from specrl.errors import InvalidRequestError
+from specrl.kernels import rejection_sample
+from specrl.models.drafter import EagleDrafter
+from specrl.models.llama import Llama, load_llama
+from specrl.serving.scheduler import Scheduler
+from specrl.serving.sequence import Sequence, Status
+from specrl.spec.controller import CostModel, SpeculationController
+from specrl.spec.propose import Draft, catch_up, propose
+from specrl.spec.sampling import RowSampler, SamplingParams
+from specrl.telemetry.record import SEGMENT_STEPS, SegmentRecord, StepRecord
+from specrl.telemetry.sink import RecordSink
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: tokens to stream and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    target_version: str
+    drafter_version: str
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    steps: int  # verify steps (the prefill's first token counts as one)
+    drafted: int
+    accepted: int
+    target_version: str
+    drafter_version: str
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verify step, bonus included (1.0 = no speculation gain)."""
+        return (self.accepted + self.steps) / max(self.steps, 1)
+
+
+class Engine:
+    def __init__(self, target: Llama, tokenizer, settings: Settings, *, drafter: EagleDrafter | None = None,
+                 sink: RecordSink | None = None, calibrate: bool = True):
+        self.target, self.drafter, self.tokenizer, self.settings, self.sink = target, drafter, tokenizer, settings, sink
+        self.cache = target.new_cache(settings.max_batch, settings.max_seq_len)
+        self.draft_cache = drafter.new_cache(settings.max_batch, settings.max_seq_len) if drafter else None
+        self.scheduler = Scheduler(settings.max_batch, settings.prefill_chunk, settings.max_waiting)
+        self.target_version, self.drafter_version = settings.target_version, settings.drafter_version
+        eos = set(target.cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.eos_ids = frozenset(eos)
+        self._seed_rng = torch.Generator().manual_seed(settings.seed)
+        self._ids = itertools.count()
+        self._sequences: dict[str, Sequence] = {}
+        costs = self.calibrate() if calibrate and drafter is not None else CostModel()
+        self.controller = SpeculationController(settings.max_draft_tokens if drafter else 0, costs)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, sink: RecordSink | None = None, *, progress: bool = True) -> "Engine":
+        from transformers import AutoTokenizer
+
+        from specrl.assets import resolve_model
+
+        model_dir = resolve_model(settings.model, settings.home, progress=progress)
+        target = load_llama(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        drafter = None
+        if settings.drafter == "day0":
+            drafter = EagleDrafter.day0(target, seed=settings.seed)
+        elif settings.drafter != "none":
+            drafter = EagleDrafter.load(Path(settings.drafter), target)
+        return cls(target, tokenizer, settings, drafter=drafter, sink=sink)
+
+    # ---- requests --------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Validate and queue a request; raises InvalidRequestError / QueueFullError before any work."""
+        params.check()
+        limit, vocab = self.settings.max_seq_len, self.target.cfg.vocab_size
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(prompt_ids) >= limit:
+            raise InvalidRequestError(f"the prompt has {len(prompt_ids)} tokens; the context is {limit}", param="prompt")
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the context of {limit}",
+                param="max_tokens")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
+        request_id = request_id or f"req-{next(self._ids)}"
+        seq = Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed))
+        self.scheduler.add(seq)
+        self._sequences[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self._sequences.get(request_id)
+        if seq is not None:
+            seq.aborted = True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        outputs = [out for seq, start, end in batch.prefill if (out := self._prefill(seq, start, end))]
+        running = [s for s in batch.decode if not s.aborted]
+        if running:
+            started = time.perf_counter()
+            sampler = RowSampler.of([s.params for s in running], [s.generator for s in running])
+            room = min(s.remaining_tokens for s in running) - 1
+            k = self.controller.choose(len(running), room) if self.drafter is not None else 0
+            draft = self._propose(running, k, sampler) if k > 0 else Draft.empty(len(running))
+            accepted, emitted, hidden = self._verify(running, draft, sampler)
+            for b, seq in enumerate(running):
+                a = int(accepted[b])
+                seq.num_computed += a + 1  # the pending token and the accepted drafts now have KV
+                outputs.append(self._commit(seq, draft.tokens[b].tolist(), draft.logprobs[b].tolist(), a,
+                                            emitted[b, : a + 1].tolist(), hidden[b, : a + 1]))
+            self.controller.observe(len(running), k, time.perf_counter() - started, accepted.tolist())
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.aborted and seq.status is not Status.FINISHED:
+                self._finish(seq, "abort")
+                outputs.append(self._output(seq, []))
+        return outputs
+
+    def _prefill(self, seq: Sequence, start: int, end: int) -> StepOutput | None:
+        """Run one prompt chunk; on the last chunk, sample the first token."""
+        tokens = torch.tensor(seq.prompt_ids[start:end])[None]
+        hidden = self.target(tokens, torch.tensor([seq.slot]), torch.tensor([start]), self.cache)
+        seq.num_computed = end
+        if self.drafter is not None:
+            seq.draft_pending_features.append(hidden[0])
+            seq.draft_pending_tokens.extend(seq.prompt_ids[start + 1 : end + 1])
+        if end < seq.prompt_len:
+            self._drafter_catch_up(seq)
+            return None
+        seq.status = Status.DECODE
+        sampler = RowSampler.of([seq.params], [seq.generator])
+        probs = sampler.probs(self.target.logits(hidden[:, -1:]))
+        _, emitted = rejection_sample(torch.zeros(1, 0, dtype=torch.long), None, probs, sampler.uniforms(1), sampler.greedy)
+        out = self._commit(seq, [], [], 0, emitted[0].tolist(), hidden[0, :0])
+        self._drafter_catch_up(seq)
+        return out
+
+    def _propose(self, running: list[Sequence], k: int, sampler: RowSampler) -> Draft:
+        lengths = torch.tensor([len(s.draft_pending_tokens) for s in running])
+        width = int(lengths.max())
+        features = torch.zeros(len(running), width, self.target.cfg.hidden_size)
+        tokens = torch.zeros(len(running), width, dtype=torch.long)
+        for b, seq in enumerate(running):
+            features[b, : lengths[b]] = torch.cat(seq.draft_pending_features)
+            tokens[b, : lengths[b]] = torch.tensor(seq.draft_pending_tokens)
+        slots = torch.tensor([s.slot for s in running])
+        start = torch.tensor([s.draft_start for s in running])
+        draft = propose(self.drafter, self.draft_cache, slots, start, features, tokens, lengths, k, sampler)
+        for seq, n in zip(running, lengths.tolist()):
+            seq.draft_start += n
+            seq.draft_pending_features.clear()
+            seq.draft_pending_tokens.clear()
+        return draft
+
+    def _verify(self, running: list[Sequence], draft: Draft, sampler: RowSampler):
+        """One target forward over [pending token, d_1..d_k] per sequence, then rejection sampling.
+        -> accepted [B], emitted [B, K+1], target hidden [B, K+1, H]."""
+        tokens = torch.cat([torch.tensor([[s.pending_token] for s in running]), draft.tokens], dim=1)
+        slots = torch.tensor([s.slot for s in running])
+        start = torch.tensor([s.num_computed for s in running])
+        hidden = self.target(tokens, slots, start, self.cache)
+        probs = sampler.probs(self.target.logits(hidden))
+        k = draft.tokens.shape[1]
+        accepted, emitted = rejection_sample(draft.tokens, draft.probs, probs, sampler.uniforms(k + 1), sampler.greedy)
+        return accepted, emitted, hidden
+
+    def _drafter_catch_up(self, seq: Sequence) -> None:
+        """Let the drafter consume a prefilled prompt now (one sequence, no padding), keeping the
+        last entry pending so that the next propose always has a position to start from."""
+        n = len(seq.draft_pending_tokens) - 1
+        if self.drafter is None or n < 1:
+            return
+        features = torch.cat(seq.draft_pending_features)
+        catch_up(self.drafter, self.draft_cache, torch.tensor([seq.slot]), torch.tensor([seq.draft_start]),
+                 features[None, :n], torch.tensor(seq.draft_pending_tokens[:n])[None])
+        seq.draft_pending_features[:] = [features[n:]]
+        del seq.draft_pending_tokens[:n]
+        seq.draft_start += n
+
+    # ---- commit and emit -------------------------------------------------------------------
+    def _commit(self, seq: Sequence, draft_tokens: list[int], draft_logprobs: list[float], accepted: int,
+                emitted: list[int], features: torch.Tensor) -> StepOutput:
+        """Append one verify step's tokens (accepted drafts + recovered/bonus) and record it."""
+        position = seq.prompt_len + len(seq.output_ids)
+        self._record(seq, StepRecord(position, len(draft_tokens), draft_tokens, draft_logprobs, accepted, emitted[-1]),
+                     emitted)
+        seq.pending_token = emitted[-1]
+        seq.steps, seq.drafted, seq.accepted = seq.steps + 1, seq.drafted + len(draft_tokens), seq.accepted + accepted
+        if self.drafter is not None:
+            seq.draft_pending_features.append(features.clone())
+            seq.draft_pending_tokens.extend(emitted)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        visible, reason = self._stop_check(seq, emitted)
+        seq.output_ids.extend(visible)
+        if reason is None and seq.params.stop and self._stop_string_hit(seq):
+            reason = "stop"
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, visible)
+
+    def _stop_check(self, seq: Sequence, emitted: list[int]) -> tuple[list[int], str | None]:
+        """-> the tokens the client sees, and a finish reason if this step ends the request.
+        EOS and stop token ids end it and are not shown; max_tokens cuts the rest."""
+        stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_ids)
+        visible = []
+        for token in emitted:
+            if token in stops:
+                return visible, "stop"
+            visible.append(token)
+            if len(seq.output_ids) + len(visible) >= seq.params.max_tokens:
+                return visible, "length"
+        return visible, None
+
+    def _stop_string_hit(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return any(s in text for s in seq.params.stop)
+
+    def _record(self, seq: Sequence, step: StepRecord, emitted: list[int]) -> None:
+        if seq.segment is None:
+            seq.segment = SegmentRecord(seq.request_id, seq.segment_index, self.target_version, self.drafter_version,
+                                        prompt_ids=list(seq.prompt_ids) if seq.segment_index == 0 else None)
+        seq.segment.steps.append(step)
+        seq.segment.tokens.extend(emitted)
+        if len(seq.segment.steps) >= SEGMENT_STEPS:
+            self._flush_segment(seq)
+
+    def _flush_segment(self, seq: Sequence) -> None:
+        if seq.segment is not None:
+            seq.segment.finish_reason = seq.finish_reason
+            if self.sink is not None:
+                self.sink.emit(seq.segment)
+            seq.segment, seq.segment_index = None, seq.segment_index + 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self._flush_segment(seq)
+        self.scheduler.retire(seq)
+        self._sequences.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, tokens: list[int]) -> StepOutput:
+        return StepOutput(seq.request_id, tokens, seq.finish_reason is not None, seq.finish_reason,
+                          self.target_version, self.drafter_version)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion (tests, benchmarks, CLI). Submits as the queue allows."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        queue = list(zip(prompts, params_list))
+        seqs: list[Sequence] = []
+        while queue or self.has_work():
+            while queue and len(self.scheduler.waiting) < self.settings.max_waiting:
+                prompt, p = queue.pop(0)
+                seqs.append(self.submit(prompt, p))
+            self.step()
+        return [self.completion(s) for s in seqs]
+
+    def completion(self, seq: Sequence) -> Completion:
+        return Completion(seq.request_id, seq.prompt_ids, seq.output_ids,
+                          self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), seq.finish_reason or "",
+                          seq.steps, seq.drafted, seq.accepted, self.target_version, self.drafter_version)
+
+    @torch.inference_mode()
+    def calibrate(self, repeats: int = 2) -> CostModel:
+        """Time target forwards (B, T = 1..K+1) and drafter passes on idle slots: the cost prior."""
+        costs = CostModel()
+        for bsz in sorted({1, self.settings.max_batch}):
+            slots, start = torch.arange(bsz), torch.zeros(bsz, dtype=torch.long)
+            for t in range(1, self.settings.max_draft_tokens + 2):
+                tokens = torch.zeros(bsz, t, dtype=torch.long)
+                costs.target[(bsz, t)] = _best_time(lambda: self.target.logits(self.target(tokens, slots, start, self.cache)), repeats)
+            one = torch.zeros(bsz, 1, dtype=torch.long)
+            feats = torch.zeros(bsz, 1, self.target.cfg.hidden_size)
+            costs.draft[bsz] = _best_time(lambda: self.drafter.logits(self.drafter(feats, one, slots, start, self.draft_cache)), repeats)
+        return costs
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

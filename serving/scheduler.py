@@ -1,0 +1,70 @@
+"""Continuous batching: admit, chunk prefills, decode everyone, retire.
+
+The KV budget is the number of cache slots: a sequence holds one slot (room for
+`max_seq_len` positions) from admission to its end. Admission is FIFO, so nobody waits
+behind later arrivals; every admitted sequence decodes in every step, so a long request
+cannot starve the others; prompts are prefilled at most `prefill_chunk` tokens per step,
+so a long prompt delays running sequences by one bounded chunk per step, not by its length.
+Beyond `max_waiting` queued requests, `add` refuses with QueueFullError.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from specrl.errors import QueueFullError
+from specrl.serving.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, start, end) prompt chunks
+    decode: list[Sequence] = field(default_factory=list)  # ordered by slot
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, prefill_chunk: int, max_waiting: int):
+        self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(num_slots))  # a heap: lowest slot first keeps batches consecutive
+        self._lock = threading.Lock()  # add/abort come from other threads
+
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFullError(f"the engine is saturated: {len(self.waiting)} requests are waiting; retry later")
+            self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        with self._lock:
+            while self.waiting and self._free_slots:
+                seq = self.waiting.popleft()
+                if seq.aborted:
+                    continue
+                seq.slot, seq.status = heapq.heappop(self._free_slots), Status.PREFILL
+                self.running.append(seq)
+        batch, budget = ScheduledBatch(), self.prefill_chunk
+        for seq in self.running:
+            if seq.status is Status.PREFILL and budget > 0:
+                n = min(seq.prompt_len - seq.num_computed, budget)
+                batch.prefill.append((seq, seq.num_computed, seq.num_computed + n))
+                budget -= n
+        batch.decode = sorted((s for s in self.running if s.status is Status.DECODE), key=lambda s: s.slot)
+        return batch
+
+    def retire(self, seq: Sequence) -> None:
+        """Free a finished (or aborted) sequence's slot."""
+        with self._lock:
+            seq.status = Status.FINISHED
+            if seq in self.running:
+                self.running.remove(seq)
+                heapq.heappush(self._free_slots, seq.slot)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)

@@ -1,0 +1,57 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specrl.spec.sampling import SamplingParams
+from specrl.telemetry.record import SegmentRecord
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Positions: the prompt fills 0..n-1. `num_computed` positions have their KV in the cache;
+    `pending_token` (the last committed token) is the next input. The drafter lags behind: its
+    `draft_pending_*` lists hold (target feature at position p, token at p+1) for positions
+    p = draft_start, draft_start+1, ... that it has not consumed yet."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator = field(repr=False)
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    slot: int = -1
+    num_computed: int = 0
+    pending_token: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    aborted: bool = False
+    draft_start: int = 0
+    draft_pending_features: list[torch.Tensor] = field(default_factory=list, repr=False)
+    draft_pending_tokens: list[int] = field(default_factory=list)
+    segment: SegmentRecord | None = None
+    segment_index: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)

@@ -1,0 +1,136 @@
+"""`specrl ...`: the one command-line entry point. Errors print one line and exit non-zero."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specrl.config import Settings
+from specrl.errors import SpecrlError
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args) or 0
+    except SpecrlError as exc:
+        print(f"specrl: error: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("specrl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specrl", description=__doc__)
+    sub = parser.add_subparsers(title="commands")
+
+    fetch = sub.add_parser("fetch-model", help="fetch and convert a model into the cache home")
+    fetch.add_argument("alias", nargs="?", default="smollm2-135m", help="smollm2-135m (default) or tiny-random")
+    fetch.add_argument("--force", action="store_true", help="rebuild even if present")
+    fetch.add_argument("--verify", action="store_true", help="re-hash the files against the manifest")
+    _common(fetch)
+    fetch.set_defaults(run=_fetch_model)
+
+    gen = sub.add_parser("generate", help="generate with speculative decoding and print the text and stats")
+    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-chat", action="store_true", help="use the prompt as raw text, no chat template")
+    _common(gen)
+    _engine_flags(gen)
+    gen.set_defaults(run=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON and PNG)")
+    bench_sub = bench.add_subparsers(title="benchmarks")
+    engine = bench_sub.add_parser("engine", help="native plain vs native speculative vs HF generate")
+    engine.add_argument("--batch-sizes", default="1,8")
+    engine.add_argument("--new-tokens", type=int, default=64)
+    engine.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-engine-<time>)")
+    _common(engine)
+    _engine_flags(engine)
+    engine.set_defaults(run=_bench_engine)
+    return parser
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--home", default=None, help="cache home (env SPECRL_HOME)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (env SPECRL_THREADS; 0 = torch default)")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model alias or HF directory (env SPECRL_MODEL)")
+    p.add_argument("--drafter", default=None, help="'day0' (untrained head), 'none', or a drafter directory")
+    p.add_argument("--max-draft-tokens", type=int, default=None)
+    p.add_argument("--max-batch", type=int, default=None)
+
+
+def _settings(args: argparse.Namespace, **extra) -> Settings:
+    flags = {k: getattr(args, k, None) for k in ("home", "threads", "model", "drafter", "max_draft_tokens", "max_batch")}
+    settings = Settings.load(**flags, **extra)
+    if settings.threads > 0:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    return settings
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from specrl.assets import fetch_model, verify_manifest
+
+    settings = _settings(args)
+    started = time.perf_counter()
+    path = fetch_model(args.alias, settings.home, force=args.force)
+    if args.verify:
+        problems = verify_manifest(path)
+        if problems:
+            print(f"specrl: error: {path} is damaged: {'; '.join(problems)} (run with --force)", file=sys.stderr)
+            return 1
+    print(f"{args.alias}: {path} ({time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specrl.serving.engine import Engine
+    from specrl.spec.sampling import SamplingParams
+
+    settings = _settings(args)
+    engine = Engine.from_settings(settings)
+    if args.no_chat:
+        prompt_ids = engine.tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    started = time.perf_counter()
+    [done] = engine.generate([list(prompt_ids)], params)
+    seconds = time.perf_counter() - started
+    print(done.text)
+    print(json.dumps({"tokens": len(done.output_ids), "seconds": round(seconds, 2),
+                      "tokens_per_s": round(len(done.output_ids) / seconds, 1),
+                      "acceptance_length": round(done.acceptance_length, 2), "finish_reason": done.finish_reason,
+                      "target_version": done.target_version, "drafter_version": done.drafter_version}), file=sys.stderr)
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from specrl.bench.engine import run_engine_bench
+
+    settings = _settings(args)
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    run_engine_bench(settings, sizes, args.new_tokens, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Target runtime (lean Llama with a KV cache) and the EAGLE-style drafter."""

@@ -1,0 +1,164 @@
+"""EAGLE-style drafter head.
+
+One decoder layer over fc([embed(next token) ; target hidden / scale]), sharing the target's
+frozen embeddings and final norm. Its output is a predicted next hidden state: through the
+norm and an output head it gives draft logits, and it is the feature for the next draft step.
+The output head is either the target's own lm_head (full vocabulary) or a reduced draft
+vocabulary [V_d, H] with a token map `draft_to_target` [V_d] int64 (the full 49k head is most of
+a small drafter's cost, FACTS.md).
+
+Features are divided per dimension by `feature_scale` (target hidden states have outlier
+dimensions with RMS in the hundreds); a scale, not a shift, so it folds into `fc` on export.
+
+Positions: drafter index j holds (target hidden at position j, token at position j+1); its
+output predicts the token at position j+2. The drafter keeps its own one-layer KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specrl.errors import IncompatibleDrafterError
+from specrl.models.kv_cache import CacheBatch, KVCache
+from specrl.models.linear import linear
+from specrl.models.llama import DecoderLayer, Llama, LlamaConfig, Rope, rms_norm
+
+ARCHITECTURE = "eagle1-llama"
+CONFIG_FILE = "drafter.json"
+WEIGHTS_FILE = "drafter.safetensors"
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # == vocab_size: the target's head is used
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    architecture: str = ARCHITECTURE
+
+    @classmethod
+    def for_target(cls, target: LlamaConfig, draft_vocab_size: int | None = None) -> "DrafterConfig":
+        return cls(target.hidden_size, target.vocab_size, draft_vocab_size or target.vocab_size, target.num_heads,
+                   target.num_kv_heads, target.head_dim, target.intermediate_size, target.rms_norm_eps,
+                   target.rope_theta, target.max_position_embeddings)
+
+    def layer_config(self) -> LlamaConfig:
+        return LlamaConfig(self.vocab_size, self.hidden_size, self.intermediate_size, 1, self.num_heads,
+                           self.num_kv_heads, self.head_dim, self.rms_norm_eps, self.rope_theta,
+                           self.max_position_embeddings, tie_word_embeddings=False)
+
+    def check_fits(self, target: LlamaConfig) -> None:
+        """Raise IncompatibleDrafterError naming the first field that does not fit the target."""
+        if self.architecture != ARCHITECTURE:
+            raise IncompatibleDrafterError(f"drafter architecture {self.architecture!r} is not {ARCHITECTURE!r}")
+        for name, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+            if getattr(self, name) != want:
+                raise IncompatibleDrafterError(
+                    f"drafter {name}={getattr(self, name)} does not fit the target's {name}={want}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise IncompatibleDrafterError(f"draft_vocab_size={self.draft_vocab_size} must be in 1..{self.vocab_size}")
+
+
+class EagleDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, target: Llama):
+        super().__init__()
+        cfg.check_fits(target.cfg)
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Parameter(torch.empty(h, 2 * h))
+        self.layer = DecoderLayer(cfg.layer_config(), input_norm=False)
+        self.register_buffer("feature_scale", torch.ones(h))
+        reduced = cfg.draft_vocab_size < cfg.vocab_size
+        self.head = nn.Parameter(torch.empty(cfg.draft_vocab_size, h)) if reduced else None
+        self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size) if reduced else None)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self._target = (target,)  # shared, frozen, not a submodule: not saved, not trained
+
+    @property
+    def target(self) -> Llama:
+        return self._target[0]
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache(1, num_slots, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, slots: torch.Tensor | None = None,
+                start: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """features [B, T, H] float32 (target hidden, or the drafter's own output), next_tokens [B, T]
+        int64 -> predicted hidden [B, T, H]. With a cache, row b sits at drafter positions
+        start[b]..start[b]+T-1 of slot slots[b]; without one, positions 0..T-1, causal (training)."""
+        emb = nn.functional.embedding(next_tokens, self.target.embed)
+        x = linear(torch.cat([emb, features / self.feature_scale], dim=-1), self.fc)
+        if cache is None:
+            positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+            cos, sin = self.rope.tables(positions)
+            return self.layer(x, cos, sin, None, None)
+        batch = CacheBatch.build(slots, start, x.shape[1])
+        cos, sin = self.rope.tables(batch.positions)
+        return self.layer(x, cos, sin, (cache.k[0], cache.v[0]), batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> draft logits [..., V_d] float32 (over the draft vocabulary)."""
+        head = self.target.lm_head if self.head is None else self.head
+        return linear(rms_norm(hidden, self.target.norm, self.cfg.rms_norm_eps), head)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+
+    # ---- construction and files ----------------------------------------------------------
+    @classmethod
+    def day0(cls, target: Llama, seed: int = 0) -> "EagleDrafter":
+        """An untrained head: its layer starts from the target's top layer (a better start than
+        noise, FACTS.md), fc passes the feature through and adds a little of the embedding."""
+        drafter = cls(DrafterConfig.for_target(target.cfg), target)
+        gen = torch.Generator().manual_seed(seed)
+        h = target.cfg.hidden_size
+        top = target.layers[-1]
+        with torch.no_grad():
+            fc = torch.randn(h, 2 * h, generator=gen) * (0.02 / h ** 0.5)
+            fc[:, h:] += torch.eye(h)
+            drafter.fc.copy_(fc)
+            for name in ("qkv", "o", "post_norm", "gate_up", "down"):
+                getattr(drafter.layer, name).copy_(getattr(top, name))
+        return drafter
+
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(directory / WEIGHTS_FILE))
+        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=2))
+
+    @classmethod
+    def load(cls, directory: Path, target: Llama) -> "EagleDrafter":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
+            raise IncompatibleDrafterError(f"{directory} is not a drafter: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+        try:
+            cfg = DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+        except (TypeError, ValueError) as exc:
+            raise IncompatibleDrafterError(f"{directory / CONFIG_FILE} is not a drafter config: {exc}") from None
+        drafter = cls(cfg, target)
+        state = load_file(str(directory / WEIGHTS_FILE))
+        own = drafter.state_dict()
+        if set(state) != set(own):
+            raise IncompatibleDrafterError(f"{directory / WEIGHTS_FILE} tensors {sorted(set(state) ^ set(own))[:3]} do not fit {ARCHITECTURE}")
+        for name, value in state.items():
+            if value.shape != own[name].shape:
+                raise IncompatibleDrafterError(f"drafter tensor {name} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
+        drafter.load_state_dict(state)
+        return drafter

@@ -1,0 +1,1 @@
+"""The speculative step: sampling rules, propose (drafter), verify (rejection sampling), k controller."""

@@ -1,0 +1,88 @@
+"""Sampling parameters of a request, and per-row sampling over a batch.
+
+temperature == 0 means greedy. Every row draws its randomness from its own generator (seeded
+by the request's `seed`, else by the engine), so one request's draws never depend on which
+other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specrl.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check(self) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
+            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature!r}", param="temperature")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty", param="stop")
+
+
+@dataclass
+class RowSampler:
+    """Sampling rules of the B rows of a batch.
+
+    temperature [B] float32 (0 for greedy rows), top_p [B] float32, greedy [B] bool,
+    generators: one torch.Generator per row.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    generators: list[torch.Generator] = field(repr=False)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], generators: list[torch.Generator]) -> "RowSampler":
+        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                   torch.tensor([p.greedy for p in params]), generators)
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """-> [B, n] float32 in [0, 1), row b from generator b."""
+        return torch.stack([torch.rand(n, generator=g) for g in self.generators])
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, T, V] -> probabilities [B, T, V] float32 after temperature and top-p.
+        Greedy rows get temperature 1 (only their argmax is ever used)."""
+        temperature = torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
+        probs = torch.softmax(logits / temperature[:, None, None], dim=-1)
+        if bool((self.top_p < 1).any()):
+            probs = top_p_filter(probs, self.top_p)
+        return probs
+
+
+def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [B, T, V], top_p [B] -> renormalised probs keeping the smallest set of tokens whose
+    mass reaches top_p (the most likely token is always kept)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None, None], 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)

@@ -73,8 +73,9 @@ class Engine:
         self._seed_rng = torch.Generator().manual_seed(settings.seed)
         self._ids = itertools.count()
         self._sequences: dict[str, Sequence] = {}
-        costs = self.calibrate() if calibrate and drafter is not None else CostModel()
-        self.controller = SpeculationController(settings.max_draft_tokens if drafter else 0, costs)
+        costs = self.calibrate() if calibrate and drafter is not None and settings.fixed_draft_tokens < 0 else CostModel()
+        fixed = settings.fixed_draft_tokens if settings.fixed_draft_tokens >= 0 else None
+        self.controller = SpeculationController(settings.max_draft_tokens if drafter else 0, costs, fixed_k=fixed)
 
     @classmethod
     def from_settings(cls, settings: Settings, sink: RecordSink | None = None, *, progress: bool = True) -> "Engine":

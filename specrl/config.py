@@ -39,6 +39,8 @@ class Settings:
     prefill_chunk: int = 512
     # Speculation: the largest draft length the controller may choose (it may choose 0).
     max_draft_tokens: int = 4
+    # A fixed draft length for every step (benchmarks, tests); -1 lets the controller choose.
+    fixed_draft_tokens: int = -1
     # Versions of the weights serving at start (the weights store sets them later).
     target_version: str = "base"
     drafter_version: str = "day0"

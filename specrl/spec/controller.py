@@ -69,9 +69,11 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
 
 
 class SpeculationController:
-    def __init__(self, max_k: int, costs: CostModel | None = None, *, initial_accept_rate: float = 0.5,
-                 decay: float = 0.9, probe_every: int = 16, max_probe_every: int = 256):
+    def __init__(self, max_k: int, costs: CostModel | None = None, *, fixed_k: int | None = None,
+                 initial_accept_rate: float = 0.5, decay: float = 0.9, probe_every: int = 16,
+                 max_probe_every: int = 256):
         self.max_k = max_k
+        self.fixed_k = fixed_k  # always draft this many (benchmarks, tests); None: choose
         self.costs = costs or CostModel()
         self.initial_accept_rate = initial_accept_rate
         self.decay = decay
@@ -93,6 +95,8 @@ class SpeculationController:
         cap = min(cap, self.max_k)
         if batch == 0 or cap <= 0:
             return 0
+        if self.fixed_k is not None:
+            return min(self.fixed_k, cap)
         a = self.accept_rate
         rates = {k: expected_tokens(a, k) / self.costs.step_cost(batch, k) for k in range(cap + 1)}
         best = max(rates, key=rates.get)

@@ -73,8 +73,9 @@ class RowSampler:
         Greedy rows get temperature 1 (only their argmax is ever used)."""
         temperature = torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
         probs = torch.softmax(logits / temperature[:, None, None], dim=-1)
-        if bool((self.top_p < 1).any()):
-            probs = top_p_filter(probs, self.top_p)
+        filtered = self.top_p < 1
+        if bool(filtered.any()):  # only those rows: a cumulative sum can round past 1.0
+            probs = torch.where(filtered[:, None, None], top_p_filter(probs, self.top_p), probs)
         return probs
 
 

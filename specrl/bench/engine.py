@@ -1,0 +1,255 @@
+"""`specrl bench engine`: native plain vs native speculative vs HF `generate`, one process, one run.
+
+Every engine decodes the same chat-templated prompts greedily, exactly `new_tokens` tokens per
+sequence (EOS ignored), at each batch size B: one warm-up run, then one timed run; tokens/s is
+the generated tokens over the timed run's wall time (prefill included). Native plain and native
+speculative run back to back per B and share one target (the same weights object), so their
+ratio compares decoding, not loading. Besides throughput the report holds:
+
+- the memory-bandwidth bound at B = 1: the machine's read bandwidth (`t.sum()` over a 1 GiB
+  float32 tensor, best of 3) over the weight bytes one decode forward streams (every layer's
+  qkv / o / gate_up / down and the output head, counted once even when tied to the embedding;
+  the embedding lookup reads a row, not the table);
+- the process's peak RSS after the native runs, before HF loads its copy of the model,
+  against 2 x model bytes + the KV caches allocated.
+vLLM is not measured here; the report says whether it is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+import json
+import resource
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specrl.config import Settings
+from specrl.errors import InvalidRequestError
+from specrl.spec.sampling import SamplingParams
+
+NATIVE_PLAIN, NATIVE_SPEC, HF = "native_plain", "native_spec", "hf_generate"
+BANDWIDTH_BYTES = 1 << 30
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a ten-year-old.",
+    "Give me three tips for learning a new language.",
+    "What is 17 times 23?",
+    "Describe a sunset in two sentences.",
+    "Why is the sky blue?",
+    "Write a Python function that reverses a string.",
+    "What are the planets of the solar system?",
+    "Suggest a name for a friendly robot.",
+    "How do I make a cup of green tea?",
+    "Summarise the plot of Romeo and Juliet.",
+    "What does a compiler do?",
+    "List four healthy breakfast ideas.",
+    "Translate 'good morning' into Spanish and German.",
+    "Tell me a short joke about cats.",
+]
+
+
+def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int, out_dir: str | None) -> dict:
+    """Measure every engine at every batch size; print a table; write bench-engine.json and .png."""
+    from specrl.assets import resolve_model
+
+    if not batch_sizes or min(batch_sizes) < 1 or new_tokens < 1:
+        raise InvalidRequestError("batch sizes and --new-tokens must be integers >= 1")
+    model_dir = resolve_model(settings.model, settings.home)
+    settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes))
+    plain, spec = _native_engines(settings)
+    prompts = chat_prompts(spec.tokenizer, max(batch_sizes))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for b in batch_sizes:
+        for name, engine in ((NATIVE_PLAIN, plain), (NATIVE_SPEC, spec)):
+            rows.append(_measure(name, b, lambda: _native_run(engine, prompts[:b], params)))
+    memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
+                                        "native_spec_drafter": spec.draft_cache})
+    weight_bytes = streamed_weight_bytes(spec.target)
+    del plain, spec
+    gc.collect()
+    bandwidth = read_bandwidth_gb_s()
+    rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
+    result = _result(settings, model_dir, batch_sizes, new_tokens, rows, memory,
+                     _bandwidth_report(bandwidth, weight_bytes, rows))
+    out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-engine-{time.strftime('%Y%m%d-%H%M%S')}"
+    _print_table(result)
+    _write_report(result, out)
+    return result
+
+
+def _native_engines(settings: Settings):
+    """-> (plain, speculative) engines over one shared target. The speculative one uses the
+    configured drafter directory, else the untrained day-0 head."""
+    from specrl.serving.engine import Engine
+
+    drafter = settings.drafter if settings.drafter != "none" else "day0"
+    spec = Engine.from_settings(settings.replace(drafter=drafter))
+    plain = Engine(spec.target, spec.tokenizer, settings.replace(drafter="none"))
+    return plain, spec
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    """The first `count` prompts of PROMPTS (cycled), chat-templated -> token id lists."""
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False))
+            for i in range(count)]
+
+
+def _native_run(engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """One engine.generate over the batch -> generated tokens and speculation counts."""
+    done = engine.generate(prompts, params)
+    drafted, accepted = sum(c.drafted for c in done), sum(c.accepted for c in done)
+    stats = {"tokens": sum(len(c.output_ids) for c in done), "steps": sum(c.steps for c in done)}
+    if engine.drafter is not None:
+        stats.update(drafted=drafted, accepted=accepted,
+                     acceptance_length=sum(c.acceptance_length for c in done) / len(done),
+                     accepted_fraction=accepted / drafted if drafted else 0.0)
+    return stats
+
+
+def _measure(engine: str, batch_size: int, run: Callable[[], dict]) -> dict:
+    """Warm up once, time one run -> a row {engine, batch_size, tokens, seconds, tokens_per_s, ...}."""
+    run()
+    started = time.perf_counter()
+    stats = run()
+    seconds = time.perf_counter() - started
+    row = {"engine": engine, "batch_size": batch_size, "seconds": seconds,
+           "tokens_per_s": stats["tokens"] / seconds, **stats}
+    extra = f" acceptance_length={row['acceptance_length']:.2f}" if "acceptance_length" in row else ""
+    print(f"bench engine={engine} B={batch_size} tokens={row['tokens']} seconds={seconds:.2f} "
+          f"tokens_per_s={row['tokens_per_s']:.1f}{extra}", file=sys.stderr, flush=True)
+    return row
+
+
+def _hf_rows(model_dir: Path, prompts: list[list[int]], batch_sizes: list[int], new_tokens: int) -> list[dict]:
+    """HF LlamaForCausalLM.generate (fp32, greedy, left padding, exactly new_tokens tokens)."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos) or 0
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=pad, eos_token_id=eos)
+    return [_measure(HF, b, lambda: _hf_run(model, prompts[:b], config, pad)) for b in batch_sizes]
+
+
+def _hf_run(model, prompts: list[list[int]], config, pad: int) -> dict:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return {"tokens": (out.shape[1] - width) * len(prompts)}
+
+
+def streamed_weight_bytes(target) -> int:
+    """Bytes of weights one decode forward reads: every 2-D layer weight plus the output head once."""
+    layers = sum(p.nbytes for name, p in target.named_parameters() if p.dim() == 2 and name not in ("embed", "lm_head"))
+    return layers + target.lm_head.nbytes
+
+
+def read_bandwidth_gb_s(nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s: best of `repeats` `t.sum()` over an nbytes float32 tensor."""
+    t = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        t.sum()
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+def _bandwidth_report(gb_s: float, weight_bytes: int, rows: list[dict]) -> dict:
+    bound = gb_s * 1e9 / weight_bytes
+    achieved = {r["engine"]: r["tokens_per_s"] / bound for r in rows if r["batch_size"] == 1}
+    return {"read_gb_s": gb_s, "weight_bytes_per_forward": weight_bytes, "bound_tokens_per_s_batch1": bound,
+            "achieved_over_bound_batch1": achieved}
+
+
+def _memory_report(model_dir: Path, caches: dict) -> dict:
+    """Peak RSS so far (ru_maxrss is KiB on Linux) against 2 x model + every KV cache allocated."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    kv = {name: cache.nbytes for name, cache in caches.items() if cache is not None}
+    limit = 2 * model_bytes + sum(kv.values())
+    return {"peak_rss_bytes": peak, "model_bytes": model_bytes, "kv_cache_bytes": kv,
+            "kv_cache_bytes_total": sum(kv.values()), "limit_bytes": limit, "peak_rss_below_limit": peak < limit,
+            "note": "measured after the native runs, before HF loads; the native engines share one target"}
+
+
+def _result(settings: Settings, model_dir: Path, batch_sizes: list[int], new_tokens: int, rows: list[dict],
+            memory: dict, bandwidth: dict) -> dict:
+    import transformers
+
+    speed = {(r["engine"], r["batch_size"]): r["tokens_per_s"] for r in rows}
+    ratios = {str(b): {"native_plain_over_hf": speed[NATIVE_PLAIN, b] / speed[HF, b],
+                       "native_spec_over_native_plain": speed[NATIVE_SPEC, b] / speed[NATIVE_PLAIN, b]}
+              for b in batch_sizes}
+    return {
+        "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+        "model": settings.model, "model_dir": str(model_dir),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()},
+        "batch_sizes": batch_sizes, "new_tokens": new_tokens, "rows": rows, "ratios": ratios,
+        "bandwidth": bandwidth, "memory": memory,
+        "vllm": "installed, not measured here" if importlib.util.find_spec("vllm") else "not installed",
+    }
+
+
+def _print_table(result: dict) -> None:
+    print(f"{'engine':<13} {'B':>3} {'tok/s':>8} {'seconds':>8} {'acc.len':>8} {'accepted':>9}")
+    for r in result["rows"]:
+        acc = f"{r['acceptance_length']:>8.2f} {r['accepted_fraction']:>9.1%}" if "acceptance_length" in r else ""
+        print(f"{r['engine']:<13} {r['batch_size']:>3} {r['tokens_per_s']:>8.1f} {r['seconds']:>8.2f} {acc}")
+    for b, ratio in result["ratios"].items():
+        print(f"B={b}: native_plain/hf {ratio['native_plain_over_hf']:.2f}x, "
+              f"native_spec/native_plain {ratio['native_spec_over_native_plain']:.2f}x")
+    bw, mem = result["bandwidth"], result["memory"]
+    print(f"bandwidth {bw['read_gb_s']:.1f} GB/s, {bw['weight_bytes_per_forward'] / 1e6:.0f} MB/forward -> "
+          f"bound {bw['bound_tokens_per_s_batch1']:.1f} tok/s at B=1")
+    print(f"peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB (limit 2 x model + KV = {mem['limit_bytes'] / 2**20:.0f} MiB: "
+          f"{'below' if mem['peak_rss_below_limit'] else 'ABOVE'}); vllm: {result['vllm']}")
+
+
+def _write_report(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-engine.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(result, out / "bench-engine.png")
+    print(f"report: {out / 'bench-engine.json'}\nchart:  {out / 'bench-engine.png'}")
+
+
+def _plot(result: dict, path: Path) -> None:
+    """Grouped bars: tokens/s per engine per batch size; the B=1 bandwidth bound as a dashed line."""
+    from matplotlib.figure import Figure
+
+    rows, sizes = result["rows"], result["batch_sizes"]
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    speed = {(r["engine"], r["batch_size"]): r["tokens_per_s"] for r in rows}
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
+    width = 0.8 / len(engines)
+    for i, engine in enumerate(engines):
+        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(sizes))]
+        ax.bar(xs, [speed[engine, b] for b in sizes], width, label=engine)
+    if 1 in sizes:
+        bound, j = result["bandwidth"]["bound_tokens_per_s_batch1"], sizes.index(1)
+        ax.hlines(bound, j - 0.45, j + 0.45, colors="black", linestyles="--",
+                  label=f"bandwidth bound B=1 ({bound:.1f} tok/s)")
+    ax.set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{result['model']}, {result['new_tokens']} new tokens, {result['threads']} threads")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,62 @@
+import json
+
+import pytest
+import torch
+
+from specrl.errors import IncompatibleDrafterError
+from specrl.models.drafter import CONFIG_FILE, DrafterConfig, EagleDrafter
+from specrl.models.llama import load_llama
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_llama(tiny_dir)
+
+
+def test_save_load_roundtrip_gives_same_outputs(target, tmp_path):
+    drafter = EagleDrafter.day0(target, seed=3)
+    drafter.save(tmp_path)
+    loaded = EagleDrafter.load(tmp_path, target)
+    feats, toks = torch.randn(2, 5, target.cfg.hidden_size), torch.randint(0, 500, (2, 5))
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded.logits(loaded(feats, toks)), drafter.logits(drafter(feats, toks)))
+
+
+def test_cached_forward_matches_uncached(target):
+    """Drafting step by step through the KV cache equals one causal pass (training form)."""
+    drafter = EagleDrafter.day0(target)
+    feats, toks = torch.randn(1, 6, target.cfg.hidden_size), torch.randint(0, 500, (1, 6))
+    cache = drafter.new_cache(2, 16)
+    with torch.inference_mode():
+        full = drafter(feats, toks)
+        first = drafter(feats[:, :4], toks[:, :4], torch.tensor([1]), torch.tensor([0]), cache)
+        rest = [drafter(feats[:, i:i + 1], toks[:, i:i + 1], torch.tensor([1]), torch.tensor([i]), cache) for i in (4, 5)]
+    torch.testing.assert_close(torch.cat([first, *rest], 1), full, atol=1e-5, rtol=0)
+
+
+def test_reduced_vocabulary_maps_to_target_ids(target):
+    cfg = DrafterConfig.for_target(target.cfg, draft_vocab_size=100)
+    drafter = EagleDrafter(cfg, target)
+    assert drafter.logits(torch.zeros(3, target.cfg.hidden_size)).shape == (3, 100)
+    drafter.draft_to_target.copy_(torch.arange(100) * 7)
+    assert drafter.to_target_ids(torch.tensor([0, 5, 99])).tolist() == [0, 35, 693]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("hidden_size", 32, "hidden_size=32 does not fit"),
+    ("vocab_size", 1000, "vocab_size=1000 does not fit"),
+    ("draft_vocab_size", 0, "draft_vocab_size=0"),
+    ("architecture", "medusa", "architecture 'medusa'"),
+])
+def test_drafter_that_does_not_fit_is_refused(target, tmp_path, field, value, message):
+    EagleDrafter.day0(target).save(tmp_path)
+    cfg = json.loads((tmp_path / CONFIG_FILE).read_text())
+    cfg[field] = value
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(IncompatibleDrafterError, match=message):
+        EagleDrafter.load(tmp_path, target)
+
+
+def test_directory_without_drafter_files_is_refused(target, tmp_path):
+    with pytest.raises(IncompatibleDrafterError, match="is not a drafter"):
+        EagleDrafter.load(tmp_path, target)

@@ -1,0 +1,185 @@
+"""Draft-length controller (specrl/spec/controller.py) with FACTS.md-shaped costs: a target forward
+over T positions at B=1 costs 1.0 for T=1 and 1.6-2.0 for T=2..5; one drafter pass costs 0.1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specrl.spec.controller import CostModel, SpeculationController, expected_tokens
+
+TARGET_B1 = {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.8, 5: 2.0}
+DRAFT_B1 = 0.1
+
+
+def facts_costs() -> CostModel:
+    return CostModel(target={(1, t): c for t, c in TARGET_B1.items()}, draft={1: DRAFT_B1})
+
+
+def step_cost(k: int) -> float:
+    return TARGET_B1[k + 1] + k * DRAFT_B1
+
+
+def closed_form(a: float, k: int) -> float:
+    return k + 1.0 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+# ---- expected_tokens ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("a", [0.0, 0.05, 0.5, 0.9, 0.999, 1.0])
+@pytest.mark.parametrize("k", [0, 1, 2, 4, 8])
+def test_expected_tokens_closed_form(a, k):
+    assert expected_tokens(a, k) == pytest.approx(closed_form(a, k), rel=1e-12)
+
+
+# ---- CostModel ---------------------------------------------------------------------------------
+
+def test_step_cost_composes_calibration():
+    costs = facts_costs()
+    for k in range(5):
+        assert costs.step_cost(1, k) == pytest.approx(step_cost(k))
+
+
+def test_step_cost_prefers_observed_ema():
+    costs = facts_costs()
+    costs.observe(1, 2, 5.0)
+    assert costs.step_cost(1, 2) == 5.0  # the first observation replaces the prior
+    costs.observe(1, 2, 3.0)
+    assert costs.step_cost(1, 2) == pytest.approx(5.0 + costs.smoothing * (3.0 - 5.0))
+    assert costs.step_cost(1, 1) == pytest.approx(step_cost(1))  # other (B, k) keep their prior
+    assert costs.step_cost(2, 2) == pytest.approx(2 * step_cost(2))
+
+
+def test_step_cost_interpolates_over_batch():
+    costs = CostModel(target={(2, 1): 1.0, (8, 1): 2.2, (2, 3): 2.0, (8, 3): 3.2}, draft={2: 0.2, 8: 0.5})
+    assert costs.step_cost(2, 0) == pytest.approx(1.0)
+    assert costs.step_cost(5, 0) == pytest.approx(1.6)  # linear between calibrated batch sizes
+    assert costs.step_cost(1, 0) == pytest.approx(0.5)  # below the first point: proportional
+    assert costs.step_cost(16, 0) == pytest.approx(4.4)  # above the last point: proportional
+    assert costs.step_cost(5, 2) == pytest.approx(2.6 + 2 * 0.35)
+
+
+def test_uncalibrated_costs_are_usable():
+    costs = CostModel()
+    c = [costs.step_cost(1, k) for k in range(6)]
+    assert all(x > 0 for x in c)
+    assert c == sorted(c) and c[0] < c[1]  # drafting more never looks cheaper
+
+
+# ---- choose ------------------------------------------------------------------------------------
+
+def test_high_acceptance_drafts_max_k():
+    ctl = SpeculationController(4, facts_costs(), initial_accept_rate=0.9)
+    assert ctl.choose(1, 10) == 4
+
+
+@pytest.mark.parametrize("cap, max_k, want", [(2, 4, 2), (1, 4, 1), (0, 4, 0), (-1, 4, 0), (10, 2, 2), (10, 0, 0)])
+def test_cap_and_max_k_limit_k(cap, max_k, want):
+    ctl = SpeculationController(max_k, facts_costs(), initial_accept_rate=0.9)
+    assert ctl.choose(1, cap) == want
+
+
+def test_empty_batch_drafts_nothing():
+    assert SpeculationController(4, facts_costs(), initial_accept_rate=0.9).choose(0, 4) == 0
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.99])
+def test_choice_maximises_tokens_per_cost(a):
+    ctl = SpeculationController(4, facts_costs(), initial_accept_rate=a, probe_every=10 ** 6)
+    best = max(range(5), key=lambda k: closed_form(a, k) / step_cost(k))
+    assert ctl.choose(1, 4) == best
+
+
+def test_choice_grows_with_acceptance():
+    ks = [SpeculationController(4, facts_costs(), initial_accept_rate=a / 20, probe_every=10 ** 6).choose(1, 4)
+          for a in range(21)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 4
+
+
+def _simulate(ctl: SpeculationController, steps: int, accepted_of_probe=lambda i: 0) -> list[int]:
+    """Run `steps` B=1 steps at their prior cost; a drafting step accepts accepted_of_probe(i)."""
+    ks = []
+    for i in range(steps):
+        k = ctl.choose(1, 4)
+        ks.append(k)
+        ctl.observe(1, k, ctl.costs.step_cost(1, k), [min(accepted_of_probe(i), k)] if k else [0])
+    return ks
+
+
+def test_low_acceptance_plain_decoding_with_backing_off_probes():
+    ctl = SpeculationController(4, facts_costs(), initial_accept_rate=0.05, probe_every=4, max_probe_every=16)
+    ks = _simulate(ctl, 100)
+    assert set(ks) == {0, 1}, "only plain steps and k=1 probes"
+    probes = [i for i, k in enumerate(ks) if k == 1]
+    assert probes[0] == 3  # the probe_every-th step
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == [8, 16, 16, 16, 16, 16]  # doubles after each unpaid probe, bounded by max_probe_every
+    assert ctl.probe_every == 16
+
+
+def test_a_probe_that_pays_resets_the_interval():
+    ctl = SpeculationController(4, facts_costs(), initial_accept_rate=0.05, decay=0.0, probe_every=2,
+                                max_probe_every=64)
+    _simulate(ctl, 2 + 4 + 8)  # probes at steps 1, 5, 13, none accepted
+    assert ctl.probe_every == 16
+    ks = _simulate(ctl, 16, accepted_of_probe=lambda i: 1)  # the next probe (step 15 of these) accepts its draft
+    assert ks[:15] == [0] * 15 and ks[15] == 1
+    assert ctl.accept_rate == 1.0
+    assert ctl.probe_every == 2
+    assert ctl.choose(1, 4) == 4
+
+
+def test_observe_updates_acceptance_estimate():
+    ctl = SpeculationController(4, facts_costs(), initial_accept_rate=0.5, decay=0.9)
+    assert ctl.accept_rate == pytest.approx(0.5)
+    ctl.observe(1, 4, 1.0, [2])  # 2 accepted of 3 tried (the third was rejected)
+    acc, tried = 0.9 * 0.5 + 2, 0.9 * 1.0 + 3
+    assert ctl.accept_rate == pytest.approx(acc / tried)
+    ctl.observe(1, 4, 1.0, [4])  # all accepted: 4 tried, no rejection
+    acc, tried = 0.9 * acc + 4, 0.9 * tried + 4
+    assert ctl.accept_rate == pytest.approx(acc / tried)
+    ctl.observe(3, 2, 1.0, [0, 2, 1])  # 3 accepted; tried 1 + 2 + 2
+    acc, tried = 0.9 * acc + 3, 0.9 * tried + 5
+    assert ctl.accept_rate == pytest.approx(acc / tried)
+    ctl.observe(3, 0, 1.0, [0, 0, 0])  # plain steps teach nothing about acceptance
+    assert ctl.accept_rate == pytest.approx(acc / tried)
+
+
+def test_acceptance_estimate_tracks_the_true_rate():
+    g = torch.Generator().manual_seed(0)
+    ctl = SpeculationController(4, facts_costs(), initial_accept_rate=0.9, decay=0.99)
+    true_rate, k, batch = 0.3, 4, 8
+    for _ in range(400):
+        hits = torch.rand(batch, k, generator=g) < true_rate
+        accepted = hits.long().cumprod(-1).sum(-1).tolist()  # prefix of per-position successes
+        ctl.observe(batch, k, 1.0, accepted)
+    # ~1100 effective tries in the window: standard error ~0.014; bound 0.05 (~3.5 sigma).
+    assert abs(ctl.accept_rate - true_rate) < 0.05
+
+
+def test_falling_acceptance_turns_speculation_off():
+    ctl = SpeculationController(4, facts_costs(), initial_accept_rate=0.9, probe_every=10 ** 6)
+    ks = _simulate(ctl, 30)  # every draft is rejected
+    assert ks[0] == 4
+    assert ks[-1] == 0
+    assert ks == sorted(ks, reverse=True)
+
+
+def test_reset_restores_the_initial_state():
+    ctl = SpeculationController(4, facts_costs(), initial_accept_rate=0.05, probe_every=4, max_probe_every=16)
+    _simulate(ctl, 37)
+    assert ctl.probe_every > 4 and ctl.accept_rate < 0.05
+    ctl.reset()
+    assert ctl.accept_rate == pytest.approx(0.05)
+    assert ctl.probe_every == 4
+    fresh = SpeculationController(4, facts_costs(), initial_accept_rate=0.05, probe_every=4, max_probe_every=16)
+    assert _simulate(ctl, 40) == _simulate(fresh, 40)
+
+
+def test_fixed_k_overrides_the_choice():
+    ctl = SpeculationController(4, facts_costs(), fixed_k=3, initial_accept_rate=0.0)
+    assert ctl.choose(1, 10) == 3
+    assert ctl.choose(1, 2) == 2
+    assert ctl.choose(0, 10) == 0
+    off = SpeculationController(4, facts_costs(), fixed_k=0, probe_every=2)
+    assert _simulate(off, 10) == [0] * 10  # no probes either

@@ -9,8 +9,9 @@ called from other threads.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from specrl.models.drafter import EagleDrafter
 from specrl.models.llama import Llama, load_llama
 from specrl.serving.scheduler import Scheduler
 from specrl.serving.sequence import Sequence, Status
+from specrl.serving.swap import SwapInProgressError, SwapRequest, SwapResult
 from specrl.spec.controller import CostModel, SpeculationController
 from specrl.spec.propose import Draft, catch_up, propose
 from specrl.spec.sampling import RowSampler, SamplingParams
@@ -39,6 +41,33 @@ class StepOutput:
     finish_reason: str | None
     target_version: str
     drafter_version: str
+    # per new token, when requested: (log-prob of the token, [(id, log-prob) of the top n])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, read by /metrics (vLLM's spec-decode names) and benchmarks."""
+
+    steps: int = 0  # verify steps summed over sequences
+    drafts: int = 0  # verify steps that drafted (k > 0)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def count(self, k: int, accepted: int, emitted: int) -> None:
+        self.steps += 1
+        self.generated_tokens += emitted
+        if k > 0:
+            self.drafts += 1
+            self.draft_tokens += k
+            self.accepted_tokens += accepted
+            if len(self.accepted_per_position) < k:
+                self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
+            for i in range(accepted):
+                self.accepted_per_position[i] += 1
 
 
 @dataclass
@@ -53,6 +82,7 @@ class Completion:
     accepted: int
     target_version: str
     drafter_version: str
+    version_runs: list[list]  # [first output index, target version, drafter version]
 
     @property
     def acceptance_length(self) -> float:
@@ -63,7 +93,10 @@ class Completion:
 class Engine:
     def __init__(self, target: Llama, tokenizer, settings: Settings, *, drafter: EagleDrafter | None = None,
                  sink: RecordSink | None = None, calibrate: bool = True):
-        self.target, self.drafter, self.tokenizer, self.settings, self.sink = target, drafter, tokenizer, settings, sink
+        self.drafter, self.tokenizer, self.settings, self.sink = drafter, tokenizer, settings, sink
+        # Every target version some running sequence still uses (more than one only while a
+        # "drain" policy swap lets old requests finish); new requests start on `target_version`.
+        self.targets: dict[str, Llama] = {settings.target_version: target}
         self.cache = target.new_cache(settings.max_batch, settings.max_seq_len)
         self.draft_cache = drafter.new_cache(settings.max_batch, settings.max_seq_len) if drafter else None
         self.scheduler = Scheduler(settings.max_batch, settings.prefill_chunk, settings.max_waiting)
@@ -73,9 +106,18 @@ class Engine:
         self._seed_rng = torch.Generator().manual_seed(settings.seed)
         self._ids = itertools.count()
         self._sequences: dict[str, Sequence] = {}
+        self._swap_lock = threading.Lock()
+        self._pending_swap: SwapRequest | None = None
+        self.swaps_done = 0
+        self.stats = EngineStats()
         costs = self.calibrate() if calibrate and drafter is not None and settings.fixed_draft_tokens < 0 else CostModel()
         fixed = settings.fixed_draft_tokens if settings.fixed_draft_tokens >= 0 else None
         self.controller = SpeculationController(settings.max_draft_tokens if drafter else 0, costs, fixed_k=fixed)
+
+    @property
+    def target(self) -> Llama:
+        """The newest target: new requests start on it."""
+        return self.targets[self.target_version]
 
     @classmethod
     def from_settings(cls, settings: Settings, sink: RecordSink | None = None, *, progress: bool = True) -> "Engine":
@@ -86,12 +128,16 @@ class Engine:
         model_dir = resolve_model(settings.model, settings.home, progress=progress)
         target = load_llama(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        drafter = None
+        return cls(target, tokenizer, settings, drafter=cls.drafter_from_setting(settings, target), sink=sink)
+
+    @staticmethod
+    def drafter_from_setting(settings: Settings, target: Llama) -> EagleDrafter | None:
+        """settings.drafter: "day0" (untrained head), "none", or a drafter directory."""
+        if settings.drafter == "none":
+            return None
         if settings.drafter == "day0":
-            drafter = EagleDrafter.day0(target, seed=settings.seed)
-        elif settings.drafter != "none":
-            drafter = EagleDrafter.load(Path(settings.drafter), target)
-        return cls(target, tokenizer, settings, drafter=drafter, sink=sink)
+            return EagleDrafter.day0(target, seed=settings.seed)
+        return EagleDrafter.load(Path(settings.drafter), target)
 
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -112,6 +158,7 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         seq = Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed))
         self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(prompt_ids)
         self._sequences[request_id] = seq
         return seq
 
@@ -121,49 +168,70 @@ class Engine:
             seq.aborted = True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests to run, or a swap waiting for a step boundary."""
+        return self.scheduler.has_work() or self._pending_swap is not None
 
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
         outputs = [out for seq, start, end in batch.prefill if (out := self._prefill(seq, start, end))]
-        running = [s for s in batch.decode if not s.aborted]
-        if running:
-            started = time.perf_counter()
-            sampler = RowSampler.of([s.params for s in running], [s.generator for s in running])
-            room = min(s.remaining_tokens for s in running) - 1
-            k = self.controller.choose(len(running), room) if self.drafter is not None else 0
-            draft = self._propose(running, k, sampler) if k > 0 else Draft.empty(len(running))
-            accepted, emitted, hidden = self._verify(running, draft, sampler)
-            for b, seq in enumerate(running):
-                a = int(accepted[b])
-                seq.num_computed += a + 1  # the pending token and the accepted drafts now have KV
-                outputs.append(self._commit(seq, draft.tokens[b].tolist(), draft.logprobs[b].tolist(), a,
-                                            emitted[b, : a + 1].tolist(), hidden[b, : a + 1]))
-            self.controller.observe(len(running), k, time.perf_counter() - started, accepted.tolist())
+        for version in list(self.targets):  # one group per target version (two only while draining)
+            running = [s for s in batch.decode if s.target_version == version and not s.aborted]
+            if running:
+                outputs += self._decode(running, self.targets[version])
+        outputs += self._abort_flagged()
+        self._apply_swap()
+        return outputs
+
+    def _decode(self, running: list[Sequence], target: Llama) -> list[StepOutput]:
+        """propose -> verify -> commit for sequences on one target version."""
+        started = time.perf_counter()
+        sampler = RowSampler.of([s.params for s in running], [s.generator for s in running])
+        room = min(s.remaining_tokens for s in running) - 1
+        k = self.controller.choose(len(running), room) if self.drafter is not None else 0
+        draft = self._propose(running, k, sampler) if k > 0 else Draft.empty(len(running))
+        accepted, emitted, hidden, logits = self._verify(running, draft, sampler, target)
+        outputs = []
+        for b, seq in enumerate(running):
+            a = int(accepted[b])
+            seq.num_computed += a + 1  # the pending token and the accepted drafts now have KV
+            outputs.append(self._commit(seq, draft.tokens[b].tolist(), draft.logprobs[b].tolist(), a,
+                                        emitted[b, : a + 1].tolist(), hidden[b, : a + 1], logits[b, : a + 1]))
+        self.controller.observe(len(running), k, time.perf_counter() - started, accepted.tolist())
+        return outputs
+
+    def _abort_flagged(self) -> list[StepOutput]:
+        outputs = []
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.aborted and seq.status is not Status.FINISHED:
                 self._finish(seq, "abort")
-                outputs.append(self._output(seq, []))
+                outputs.append(self._output(seq, [], None))
         return outputs
 
     def _prefill(self, seq: Sequence, start: int, end: int) -> StepOutput | None:
-        """Run one prompt chunk; on the last chunk, sample the first token."""
-        tokens = torch.tensor(seq.prompt_ids[start:end])[None]
-        hidden = self.target(tokens, torch.tensor([seq.slot]), torch.tensor([start]), self.cache)
+        """Run one chunk of the prompt (or of a KV recompute); at the prompt's end, sample the first token."""
+        if start == 0:
+            seq.target_version = self.target_version
+        target = self.targets[seq.target_version]
+        tokens = torch.tensor(seq.context_ids(start, end))[None]
+        hidden = target(tokens, torch.tensor([seq.slot]), torch.tensor([start]), self.cache)
         seq.num_computed = end
+        recompute = bool(seq.output_ids)
         if self.drafter is not None:
             seq.draft_pending_features.append(hidden[0])
-            seq.draft_pending_tokens.extend(seq.prompt_ids[start + 1 : end + 1])
-        if end < seq.prompt_len:
+            seq.draft_pending_tokens.extend(seq.context_ids(start + 1, end + 1 if recompute else min(end + 1, seq.prompt_len)))
+        if end < seq.prefill_end or recompute:
+            if end == seq.prefill_end:
+                seq.status = Status.DECODE  # recomputed: the pending token is still the next input
             self._drafter_catch_up(seq)
             return None
         seq.status = Status.DECODE
         sampler = RowSampler.of([seq.params], [seq.generator])
-        probs = sampler.probs(self.target.logits(hidden[:, -1:]))
-        _, emitted = rejection_sample(torch.zeros(1, 0, dtype=torch.long), None, probs, sampler.uniforms(1), sampler.greedy)
-        out = self._commit(seq, [], [], 0, emitted[0].tolist(), hidden[0, :0])
+        logits = target.logits(hidden[:, -1:])
+        _, emitted = rejection_sample(torch.zeros(1, 0, dtype=torch.long), None, sampler.probs(logits),
+                                      sampler.uniforms(1), sampler.greedy)
+        out = self._commit(seq, [], [], 0, emitted[0].tolist(), hidden[0, :0], logits[0])
         self._drafter_catch_up(seq)
         return out
 
@@ -184,17 +252,18 @@ class Engine:
             seq.draft_pending_tokens.clear()
         return draft
 
-    def _verify(self, running: list[Sequence], draft: Draft, sampler: RowSampler):
+    def _verify(self, running: list[Sequence], draft: Draft, sampler: RowSampler, target: Llama):
         """One target forward over [pending token, d_1..d_k] per sequence, then rejection sampling.
-        -> accepted [B], emitted [B, K+1], target hidden [B, K+1, H]."""
+        -> accepted [B], emitted [B, K+1], target hidden [B, K+1, H], target logits [B, K+1, V]."""
         tokens = torch.cat([torch.tensor([[s.pending_token] for s in running]), draft.tokens], dim=1)
         slots = torch.tensor([s.slot for s in running])
         start = torch.tensor([s.num_computed for s in running])
-        hidden = self.target(tokens, slots, start, self.cache)
-        probs = sampler.probs(self.target.logits(hidden))
+        hidden = target(tokens, slots, start, self.cache)
+        logits = target.logits(hidden)
         k = draft.tokens.shape[1]
-        accepted, emitted = rejection_sample(draft.tokens, draft.probs, probs, sampler.uniforms(k + 1), sampler.greedy)
-        return accepted, emitted, hidden
+        accepted, emitted = rejection_sample(draft.tokens, draft.probs, sampler.probs(logits), sampler.uniforms(k + 1),
+                                             sampler.greedy)
+        return accepted, emitted, hidden, logits
 
     def _drafter_catch_up(self, seq: Sequence) -> None:
         """Let the drafter consume a prefilled prompt now (one sequence, no padding), keeping the
@@ -211,25 +280,33 @@ class Engine:
 
     # ---- commit and emit -------------------------------------------------------------------
     def _commit(self, seq: Sequence, draft_tokens: list[int], draft_logprobs: list[float], accepted: int,
-                emitted: list[int], features: torch.Tensor) -> StepOutput:
-        """Append one verify step's tokens (accepted drafts + recovered/bonus) and record it."""
+                emitted: list[int], features: torch.Tensor, logits: torch.Tensor) -> StepOutput:
+        """Append one verify step's tokens (accepted drafts + recovered/bonus) and record it.
+        features [a+1, H]: target hidden at the positions consumed; logits [a+1, V]: the target's
+        logits that chose each emitted token."""
         position = seq.prompt_len + len(seq.output_ids)
         self._record(seq, StepRecord(position, len(draft_tokens), draft_tokens, draft_logprobs, accepted, emitted[-1]),
                      emitted)
         seq.pending_token = emitted[-1]
         seq.steps, seq.drafted, seq.accepted = seq.steps + 1, seq.drafted + len(draft_tokens), seq.accepted + accepted
+        seq.drafts += bool(draft_tokens)
         if self.drafter is not None:
             seq.draft_pending_features.append(features.clone())
             seq.draft_pending_tokens.extend(emitted)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         visible, reason = self._stop_check(seq, emitted)
+        self.stats.count(len(draft_tokens), accepted, len(visible))
+        versions = [seq.target_version, self.drafter_version]
+        if visible and (not seq.version_runs or seq.version_runs[-1][1:] != versions):
+            seq.version_runs.append([len(seq.output_ids), *versions])
         seq.output_ids.extend(visible)
         if reason is None and seq.params.stop and self._stop_string_hit(seq):
             reason = "stop"
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, visible)
+        logprobs = _logprobs(logits[: len(visible)], visible, seq.params.logprobs) if seq.params.logprobs is not None else None
+        return self._output(seq, visible, logprobs)
 
     def _stop_check(self, seq: Sequence, emitted: list[int]) -> tuple[list[int], str | None]:
         """-> the tokens the client sees, and a finish reason if this step ends the request.
@@ -250,7 +327,7 @@ class Engine:
 
     def _record(self, seq: Sequence, step: StepRecord, emitted: list[int]) -> None:
         if seq.segment is None:
-            seq.segment = SegmentRecord(seq.request_id, seq.segment_index, self.target_version, self.drafter_version,
+            seq.segment = SegmentRecord(seq.request_id, seq.segment_index, seq.target_version, self.drafter_version,
                                         prompt_ids=list(seq.prompt_ids) if seq.segment_index == 0 else None)
         seq.segment.steps.append(step)
         seq.segment.tokens.extend(emitted)
@@ -270,9 +347,53 @@ class Engine:
         self.scheduler.retire(seq)
         self._sequences.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence, tokens: list[int]) -> StepOutput:
+    def _output(self, seq: Sequence, tokens: list[int], logprobs) -> StepOutput:
         return StepOutput(seq.request_id, tokens, seq.finish_reason is not None, seq.finish_reason,
-                          self.target_version, self.drafter_version)
+                          seq.target_version, self.drafter_version, logprobs)
+
+    # ---- weight swaps ----------------------------------------------------------------------
+    def request_swap(self, swap: SwapRequest) -> None:
+        """Queue a loaded, checked swap for the next step boundary (any thread)."""
+        with self._swap_lock:
+            if self._pending_swap is not None:
+                raise SwapInProgressError(f"a {self._pending_swap.role} swap to {self._pending_swap.version} is in progress")
+            self._pending_swap = swap
+
+    def _apply_swap(self) -> None:
+        """At a step boundary: swap references, then drop target versions nobody runs on."""
+        with self._swap_lock:
+            swap, self._pending_swap = self._pending_swap, None
+        if swap is not None:
+            running = list(self.scheduler.running)
+            for seq in running:  # segments carry one version pair: close them at the switch
+                self._flush_segment(seq)
+            if swap.role == "drafter":
+                self.drafter, self.drafter_version = swap.model, swap.version
+                self.controller.reset()
+            else:
+                self.targets[swap.version] = swap.model
+                self.target_version = swap.version
+                if self.drafter is not None:
+                    self.drafter.retarget(swap.model)
+                if swap.mode == "interrupt":
+                    for seq in running:
+                        self._restart_on(seq, swap.version)
+            self.swaps_done += 1
+            swap.done.set_result(SwapResult(swap.role, swap.version, swap.mode, swap.load_ms,
+                                            (time.perf_counter() - swap.requested_at) * 1000))
+        in_use = {s.target_version for s in self.scheduler.running} | {self.target_version}
+        for version in [v for v in self.targets if v not in in_use]:
+            del self.targets[version]
+
+    def _restart_on(self, seq: Sequence, version: str) -> None:
+        """Move a running sequence to new target weights: recompute its KV from its tokens."""
+        seq.target_version = version
+        if seq.status is Status.DECODE or seq.num_computed > 0:
+            seq.prefill_end = seq.prompt_len + len(seq.output_ids) - 1 if seq.output_ids else seq.prompt_len
+            seq.num_computed, seq.status = 0, Status.PREFILL
+            seq.draft_start = 0
+            seq.draft_pending_features.clear()
+            seq.draft_pending_tokens.clear()
 
     # ---- helpers ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
@@ -290,7 +411,8 @@ class Engine:
     def completion(self, seq: Sequence) -> Completion:
         return Completion(seq.request_id, seq.prompt_ids, seq.output_ids,
                           self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), seq.finish_reason or "",
-                          seq.steps, seq.drafted, seq.accepted, self.target_version, self.drafter_version)
+                          seq.steps, seq.drafted, seq.accepted, seq.target_version, self.drafter_version,
+                          seq.version_runs)
 
     @torch.inference_mode()
     def calibrate(self, repeats: int = 2) -> CostModel:
@@ -305,6 +427,14 @@ class Engine:
             feats = torch.zeros(bsz, 1, self.target.cfg.hidden_size)
             costs.draft[bsz] = _best_time(lambda: self.drafter.logits(self.drafter(feats, one, slots, start, self.draft_cache)), repeats)
         return costs
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [T, V] that chose `tokens` -> per token (its log-prob, the top `top` (id, log-prob))."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    values, ids = logp.topk(top, dim=-1) if top > 0 else (logp[:, :0], logp[:, :0].long())
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 def _best_time(fn, repeats: int) -> float:

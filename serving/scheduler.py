@@ -32,6 +32,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free_slots = list(range(num_slots))  # a heap: lowest slot first keeps batches consecutive
         self._lock = threading.Lock()  # add/abort come from other threads
+        self.admitting = True  # False while nothing new may start (shutdown)
 
     def add(self, seq: Sequence) -> None:
         with self._lock:
@@ -44,7 +45,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         with self._lock:
-            while self.waiting and self._free_slots:
+            while self.admitting and self.waiting and self._free_slots:
                 seq = self.waiting.popleft()
                 if seq.aborted:
                     continue
@@ -53,7 +54,7 @@ class Scheduler:
         batch, budget = ScheduledBatch(), self.prefill_chunk
         for seq in self.running:
             if seq.status is Status.PREFILL and budget > 0:
-                n = min(seq.prompt_len - seq.num_computed, budget)
+                n = min(seq.prefill_end - seq.num_computed, budget)
                 batch.prefill.append((seq, seq.num_computed, seq.num_computed + n))
                 budget -= n
         batch.decode = sorted((s for s in self.running if s.status is Status.DECODE), key=lambda s: s.slot)

@@ -43,14 +43,31 @@ class Sequence:
     draft_pending_tokens: list[int] = field(default_factory=list)
     segment: SegmentRecord | None = None
     segment_index: int = 0
+    drafts: int = 0  # verify steps that drafted (k > 0)
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
     first_token_time: float | None = None
+    # Weights: the target version this sequence runs on, and runs of versions over its output:
+    # [first output index, target version, drafter version] appended whenever either changes.
+    target_version: str = ""
+    version_runs: list[list] = field(default_factory=list)
+    # Prefill covers context positions [num_computed, prefill_end): the prompt, or after an
+    # interrupting policy swap the whole context but the pending token (KV recompute).
+    prefill_end: int = 0
+
+    def __post_init__(self):
+        self.prefill_end = len(self.prompt_ids)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    def context_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output."""
+        n = len(self.prompt_ids)
+        return (self.prompt_ids[start:end] if end <= n else
+                self.prompt_ids[start:] + self.output_ids[max(start - n, 0): end - n])
 
     @property
     def remaining_tokens(self) -> int:

@@ -51,6 +51,19 @@ def _parser() -> argparse.ArgumentParser:
     _engine_flags(gen)
     gen.set_defaults(run=_generate)
 
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with speculative decoding")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--redis-url", default=None, help="reward events go to this Redis (env SPECRL_REDIS_URL)")
+    serve.add_argument("--store", default=None, help="weights store root (default <home>/weights)")
+    serve.add_argument("--deployment", default=None)
+    serve.add_argument("--replica", default=None)
+    serve.add_argument("--no-telemetry-content", dest="telemetry_content", action="store_const", const=False,
+                       default=None, help="record counters only, no token ids")
+    _common(serve)
+    _engine_flags(serve)
+    serve.set_defaults(run=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON and PNG)")
     bench_sub = bench.add_subparsers(title="benchmarks")
     engine = bench_sub.add_parser("engine", help="native plain vs native speculative vs HF generate")
@@ -75,8 +88,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=None)
 
 
+FLAGS = ("home", "threads", "model", "drafter", "max_draft_tokens", "max_batch", "host", "port", "redis_url", "store",
+         "deployment", "replica", "telemetry_content")
+
+
 def _settings(args: argparse.Namespace, **extra) -> Settings:
-    flags = {k: getattr(args, k, None) for k in ("home", "threads", "model", "drafter", "max_draft_tokens", "max_batch")}
+    flags = {k: getattr(args, k, None) for k in FLAGS}
     settings = Settings.load(**flags, **extra)
     if settings.threads > 0:
         import torch
@@ -121,6 +138,12 @@ def _generate(args: argparse.Namespace) -> int:
                       "acceptance_length": round(done.acceptance_length, 2), "finish_reason": done.finish_reason,
                       "target_version": done.target_version, "drafter_version": done.drafter_version}), file=sys.stderr)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specrl.serving.server import serve
+
+    return serve(_settings(args))
 
 
 def _bench_engine(args: argparse.Namespace) -> int:

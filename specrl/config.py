@@ -45,6 +45,22 @@ class Settings:
     target_version: str = "base"
     drafter_version: str = "day0"
     seed: int = 0
+    # Serving.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Weights store root; empty: <home>/weights.
+    store: str = ""
+    # Admin API bearer token; empty disables the admin routes (fail closed).
+    admin_token: str = ""
+    # Reward events: Redis URL (empty: keep records in memory only), stream naming, content.
+    redis_url: str = ""
+    deployment: str = "default"
+    replica: str = "0"
+    telemetry_content: bool = True
+    telemetry_maxlen: int = 100_000
+    max_body_bytes: int = 1 << 20
+    # Seconds a SIGTERM waits for in-flight requests before aborting them.
+    shutdown_timeout: float = 30.0
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
@@ -64,12 +80,26 @@ class Settings:
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def store_path(self) -> Path:
+        return Path(self.store).expanduser() if self.store else self.home / "weights"
+
 
 def _coerce(cls: type, name: str, value: Any) -> Any:
     kind = {f.name: f.type for f in fields(cls)}[name]
     try:
+        if kind in ("bool", bool):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
         if kind in ("int", int):
             return int(value)
+        if kind in ("float", float):
+            return float(value)
         if kind in ("Path", Path):
             return Path(value).expanduser()
         return str(value)

@@ -63,6 +63,7 @@ def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int
 
     if not batch_sizes or min(batch_sizes) < 1 or new_tokens < 1:
         raise InvalidRequestError("batch sizes and --new-tokens must be integers >= 1")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     model_dir = resolve_model(settings.model, settings.home)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes))
     plain, spec = _native_engines(settings)
@@ -81,7 +82,7 @@ def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int
     rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
     result = _result(settings, model_dir, batch_sizes, new_tokens, rows, memory,
                      _bandwidth_report(bandwidth, weight_bytes, rows))
-    out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-engine-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-engine-{stamp}"
     _print_table(result)
     _write_report(result, out)
     return result
@@ -180,11 +181,13 @@ def _bandwidth_report(gb_s: float, weight_bytes: int, rows: list[dict]) -> dict:
 
 def _memory_report(model_dir: Path, caches: dict) -> dict:
     """Peak RSS so far (ru_maxrss is KiB on Linux) against 2 x model + every KV cache allocated."""
+    import psutil
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     kv = {name: cache.nbytes for name, cache in caches.items() if cache is not None}
     limit = 2 * model_bytes + sum(kv.values())
-    return {"peak_rss_bytes": peak, "model_bytes": model_bytes, "kv_cache_bytes": kv,
+    return {"peak_rss_bytes": peak, "rss_bytes_now": psutil.Process().memory_info().rss, "model_bytes": model_bytes, "kv_cache_bytes": kv,
             "kv_cache_bytes_total": sum(kv.values()), "limit_bytes": limit, "peak_rss_below_limit": peak < limit,
             "note": "measured after the native runs, before HF loads; the native engines share one target"}
 
@@ -237,7 +240,7 @@ def _plot(result: dict, path: Path) -> None:
     rows, sizes = result["rows"], result["batch_sizes"]
     engines = list(dict.fromkeys(r["engine"] for r in rows))
     speed = {(r["engine"], r["batch_size"]): r["tokens_per_s"] for r in rows}
-    fig = Figure(figsize=(8, 4.5))
+    fig = Figure(figsize=(9, 4.5))
     ax = fig.subplots()
     width = 0.8 / len(engines)
     for i, engine in enumerate(engines):
@@ -250,6 +253,6 @@ def _plot(result: dict, path: Path) -> None:
     ax.set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
     ax.set_ylabel("tokens/s")
     ax.set_title(f"{result['model']}, {result['new_tokens']} new tokens, {result['threads']} threads")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -89,6 +89,12 @@ class EagleDrafter(nn.Module):
     def target(self) -> Llama:
         return self._target[0]
 
+    def retarget(self, target: Llama) -> None:
+        """Share a new policy's embeddings, norm and head (after a policy swap)."""
+        if (target.cfg.hidden_size, target.cfg.vocab_size) != (self.cfg.hidden_size, self.cfg.vocab_size):
+            raise IncompatibleDrafterError("the new target's hidden size or vocabulary does not fit the drafter")
+        self._target = (target,)
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(1, num_slots, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
 

@@ -11,6 +11,8 @@ of accepted / tried draft positions. When k = 0 wins, nobody learns whether the 
 better (a swap, or a context it is good at), so a probe step with k = 1 runs every
 `probe_every` steps; each probe that still does not pay doubles the interval (up to
 `max_probe_every`), which keeps its cost under a percent. A drafter swap resets the estimate.
+Drafting must beat plain decoding by `margin` (5%): with a useless drafter every k yields the
+same tokens, and a noisy, inflated k = 0 timing must not make drafting look better.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
 class SpeculationController:
     def __init__(self, max_k: int, costs: CostModel | None = None, *, fixed_k: int | None = None,
                  initial_accept_rate: float = 0.5, decay: float = 0.9, probe_every: int = 16,
-                 max_probe_every: int = 256):
+                 max_probe_every: int = 256, margin: float = 1.05):
         self.max_k = max_k
+        self.margin = margin
         self.fixed_k = fixed_k  # always draft this many (benchmarks, tests); None: choose
         self.costs = costs or CostModel()
         self.initial_accept_rate = initial_accept_rate
@@ -100,6 +103,8 @@ class SpeculationController:
         a = self.accept_rate
         rates = {k: expected_tokens(a, k) / self.costs.step_cost(batch, k) for k in range(cap + 1)}
         best = max(rates, key=rates.get)
+        if rates[best] < self.margin * rates[0]:
+            best = 0  # drafting must pay by a margin: noisy timings alone never make it win
         if best == 0 and self._steps_since_draft + 1 >= self.probe_every:
             return 1
         return best

@@ -15,6 +15,9 @@ import torch
 from specrl.errors import InvalidRequestError
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -24,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n >= 0: the chosen token's log-prob and the top n
 
     @property
     def greedy(self) -> bool:
@@ -37,6 +41,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature!r}", param="temperature")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs!r}", param="top_logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", param="stop")
 

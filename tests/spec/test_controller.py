@@ -86,8 +86,20 @@ def test_empty_batch_drafts_nothing():
 @pytest.mark.parametrize("a", [0.0, 0.3, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.99])
 def test_choice_maximises_tokens_per_cost(a):
     ctl = SpeculationController(4, facts_costs(), initial_accept_rate=a, probe_every=10 ** 6)
-    best = max(range(5), key=lambda k: closed_form(a, k) / step_cost(k))
+    rate = {k: closed_form(a, k) / step_cost(k) for k in range(5)}
+    best = max(rate, key=rate.get)
+    if rate[best] < ctl.margin * rate[0]:
+        best = 0  # drafting must pay by the margin
     assert ctl.choose(1, 4) == best
+
+
+def test_drafting_must_beat_plain_by_the_margin():
+    """With a drafter that accepts nothing, k > 0 never wins even when it looks slightly cheaper."""
+    costs = facts_costs()
+    costs.observe(1, 0, 1.0)
+    costs.observe(1, 1, 0.99)  # a noisy measurement: drafting looks 1% cheaper
+    ctl = SpeculationController(4, costs, initial_accept_rate=0.0, probe_every=10 ** 6)
+    assert ctl.choose(1, 4) == 0
 
 
 def test_choice_grows_with_acceptance():

@@ -1,0 +1,113 @@
+"""Runs the engine on its own thread and bridges it to asyncio.
+
+The HTTP handlers live on the event loop; `Engine.step()` runs here, one step after another,
+never on the event loop. Each request gets an asyncio.Queue; after every step the engine
+thread hands each output to its request's queue with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator
+
+from specrl.errors import SpecrlError
+from specrl.serving.engine import Engine, StepOutput
+from specrl.serving.sequence import Sequence
+from specrl.spec.sampling import SamplingParams
+
+log = logging.getLogger("specrl.engine")
+
+
+class EngineDeadError(SpecrlError):
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specrl-engine", daemon=True)
+        self.error: BaseException | None = None
+        self.last_step_at = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
+        """Queue a request (event-loop side). Raises the engine's validation errors at once."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            seq = self.engine.submit(prompt_ids, params, request_id)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        return seq
+
+    async def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
+        """Yield the request's step outputs until it finishes; abort it if the consumer goes away."""
+        _, queue = self._queues[request_id]
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+                self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float) -> None:
+        """Stop admitting, let running requests finish within `timeout`, abort the rest, stop."""
+        self.engine.scheduler.admitting = False
+        deadline = time.monotonic() + timeout
+        while self.engine.has_work() and self.alive and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.02)
+        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+            self.engine.abort(seq.request_id)
+        self._wake.set()
+        time.sleep(0.05)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_work():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # a bug: fail every waiting request, report unhealthy
+                log.exception("engine step failed")
+                self.error = exc
+                for loop, queue in list(self._queues.values()):
+                    loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(f"the engine failed: {exc!r}"))
+                return
+            self.last_step_at = time.monotonic()
+            for out in outputs:
+                target = self._queues.get(out.request_id)
+                if target is not None:
+                    target[0].call_soon_threadsafe(target[1].put_nowait, out)

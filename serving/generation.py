@@ -1,0 +1,119 @@
+"""One choice of an API response: an engine request turned into text deltas, logprobs and stats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from specrl.serving.engine import StepOutput
+from specrl.serving.engine_loop import EngineLoop
+from specrl.spec.sampling import SamplingParams
+
+
+class ChoiceStream:
+    def __init__(self, tokenizer, index: int, prompt_ids: list[int], params: SamplingParams, *, chat: bool):
+        self.tokenizer, self.index, self.prompt_ids, self.params, self.chat = tokenizer, index, prompt_ids, params, chat
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict] = []
+        self.seq = None
+        self.target_version = self.drafter_version = ""
+
+    def submit(self, loop: EngineLoop, request_id: str) -> None:
+        self.request_id = request_id
+        self.target_version, self.drafter_version = loop.engine.target_version, loop.engine.drafter_version
+        self.seq = loop.submit(self.prompt_ids, self.params, request_id)
+
+    def add(self, out: StepOutput) -> tuple[str, dict | None, str | None]:
+        """-> (text delta, logprobs payload for these tokens or None, finish reason or None)."""
+        self.token_ids += out.new_token_ids
+        self.target_version, self.drafter_version = out.target_version, out.drafter_version
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        stops = [full.find(s) for s in self.params.stop if s in full]
+        if stops:
+            full = full[: min(stops)]  # the stop string itself is not returned
+        elif not out.finished:
+            full = full.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for the rest
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text = full if full.startswith(self.text) else self.text
+        entries = self._logprob_entries(out) if out.logprobs is not None else None
+        if entries is not None:
+            self.logprobs += entries
+        if out.finished:
+            self.finish_reason = out.finish_reason
+        return delta, self._logprobs_payload(entries), self.finish_reason if out.finished else None
+
+    def _logprob_entries(self, out: StepOutput) -> list[dict]:
+        decode = self.tokenizer.decode
+        return [{"token": decode([tok]), "logprob": lp, "bytes": list(decode([tok]).encode()),
+                 "top_logprobs": [{"token": decode([i]), "logprob": v, "bytes": list(decode([i]).encode())}
+                                  for i, v in top]}
+                for tok, (lp, top) in zip(out.new_token_ids, out.logprobs)]
+
+    def _logprobs_payload(self, entries: list[dict] | None) -> dict | None:
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": entries}
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": []}
+
+    def final_choice(self) -> dict:
+        logprobs = self._logprobs_payload(self.logprobs) if self.params.logprobs is not None else None
+        if self.chat:
+            return {"index": self.index, "message": {"role": "assistant", "content": self.text},
+                    "logprobs": logprobs, "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+    # spec-decode stats of this choice, from the engine's sequence
+    @property
+    def steps(self) -> int:
+        return self.seq.steps
+
+    @property
+    def drafts(self) -> int:
+        return self.seq.drafts
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.seq.drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.seq.accepted
+
+    @property
+    def version_runs(self) -> list[list]:
+        return self.seq.version_runs
+
+
+async def run_choices(loop: EngineLoop, streams: list[ChoiceStream], metrics, arrival: float,
+                      events: asyncio.Queue | None = None) -> None:
+    """Consume every choice's outputs concurrently; observe TTFT/ITL; push (choice, delta,
+    logprobs, finish) events when streaming. A failure pushes (None, error, None, None)."""
+
+    async def consume(choice: ChoiceStream) -> None:
+        last = None
+        async for out in loop.outputs(choice.request_id):
+            t = time.perf_counter()
+            if out.new_token_ids:
+                if last is None:
+                    metrics.ttft.observe(t - arrival)
+                else:
+                    for _ in out.new_token_ids:
+                        metrics.itl.observe((t - last) / len(out.new_token_ids))
+                last = t
+            delta, logprobs, finish = choice.add(out)
+            if events is not None and (delta or logprobs or finish):
+                events.put_nowait((choice, delta, logprobs, finish))
+
+    try:
+        await asyncio.gather(*(consume(s) for s in streams))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if events is not None:
+            events.put_nowait((None, exc, None, None))
+        raise

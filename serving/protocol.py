@@ -1,0 +1,134 @@
+"""The OpenAI-compatible wire format: request models (validated by pydantic) and response shapes.
+
+Unknown fields are refused (400, naming the field) rather than silently ignored, except a few
+that carry no meaning for generation (`user`, `metadata`, `store`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from specrl.errors import InvalidRequestError
+from specrl.spec.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_N = 8
+IGNORED = ("user", "metadata", "store")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    def check_supported(self) -> None:
+        if self.presence_penalty or self.frequency_penalty:
+            raise InvalidRequestError("presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+
+    def sampling(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+        seed = None if self.seed is None else self.seed + index  # n samples must differ
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=seed,
+                              stop=tuple(self.stop or ()), logprobs=logprobs)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequestError("echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("best_of is not supported", param="best_of")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text parts are supported
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported", param="messages")
+                parts.append(str(part.get("text", "")))
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: object | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise InvalidRequestError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs=true", param="top_logprobs")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def fingerprint(target_version: str, drafter_version: str) -> str:
+    """The versions that produced a response, in OpenAI's `system_fingerprint` field."""
+    return f"specrl:target={target_version};drafter={drafter_version}"
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

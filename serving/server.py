@@ -1,0 +1,82 @@
+"""`specrl serve`: assemble engine, telemetry sink, weights store and HTTP app; run uvicorn.
+
+A (re)start serves the store's `current` versions when there are any, else the base model
+and the drafter named in the settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from specrl.config import Settings
+from specrl.serving.app import create_app
+from specrl.serving.engine import Engine
+from specrl.serving.engine_loop import EngineLoop
+from specrl.telemetry import MemorySink, RedisSink, events_stream
+from specrl.weights import WeightsStore
+
+log = logging.getLogger("specrl.serving")
+
+
+def build(settings: Settings):
+    """-> (engine loop, app) ready to serve; nothing runs until the loop is started."""
+    from transformers import AutoTokenizer
+
+    from specrl.assets import resolve_model
+    from specrl.models.drafter import EagleDrafter
+    from specrl.models.llama import load_llama
+
+    store = WeightsStore(settings.store_path)
+    model_dir = resolve_model(settings.model, settings.home)
+    policy = store.current("policy")
+    target = load_llama(store.verify("policy", policy) if policy else model_dir)
+    drafter_version = store.current("drafter") if settings.drafter != "none" else None
+    if drafter_version:
+        drafter = EagleDrafter.load(store.verify("drafter", drafter_version), target)
+    else:
+        drafter_version = settings.drafter_version
+        drafter = Engine.drafter_from_setting(settings, target)
+    settings = settings.replace(target_version=policy or settings.target_version,
+                                drafter_version=drafter_version if drafter else "none")
+    sink = (RedisSink(settings.redis_url, events_stream(settings.deployment), maxlen=settings.telemetry_maxlen,
+                      content=settings.telemetry_content) if settings.redis_url else MemorySink(capacity=10_000))
+    engine = Engine(target, AutoTokenizer.from_pretrained(model_dir), settings, drafter=drafter, sink=_Stamped(sink, settings))
+    loop = EngineLoop(engine)
+    return loop, create_app(loop, settings, store, sink)
+
+
+class _Stamped:
+    """Stamps deployment and replica on every record before the real sink sees it."""
+
+    def __init__(self, sink, settings: Settings):
+        self.sink, self.deployment, self.replica = sink, settings.deployment, settings.replica
+
+    def emit(self, record) -> None:
+        record.deployment, record.replica = self.deployment, self.replica
+        self.sink.emit(record)
+
+
+def serve(settings: Settings) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    loop, app = build(settings)
+    loop.start()
+    log.info("serving model=%s target_version=%s drafter_version=%s url=http://%s:%d redis=%s",
+             settings.model, loop.engine.target_version, loop.engine.drafter_version, settings.host, settings.port,
+             settings.redis_url or "off")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout))
+    _GracefulServer(config).run()
+    return 0 if loop.error is None else 1
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown, so the process would die of the
+    signal; a completed graceful shutdown is a clean exit (status 0) for a supervisor."""
+
+    def handle_exit(self, sig, frame):
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()

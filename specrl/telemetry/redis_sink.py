@@ -1,0 +1,235 @@
+"""The Redis sink: segment records go to a Redis stream, off the decode path.
+
+`RedisSink.emit` only does `put_nowait` on a bounded in-process queue; a background daemon
+thread drains the queue in batches into one pipelined round trip of
+`XADD <stream> MAXLEN ~ <maxlen> * r <msgpack>` per batch. When the queue is full the record
+is dropped and counted: the decode path never waits on Redis.
+
+Stream layout (what `specrl.telemetry.reader.RecordReader` reads):
+- key `specrl:<deployment>:events` (`events_stream`);
+- one entry per record with one field, `r` (`RECORD_FIELD`): `SegmentRecord.to_msgpack()`.
+
+Redis down or slow: the sender stops taking records while it has no connection and retries
+with exponential backoff (0.1 s doubling up to 5 s); meanwhile the queue fills and further
+records are dropped. A batch whose XADD pipeline fails (connection lost, socket timeout) is
+dropped and counted, never retried, so memory stays bounded by `queue_size` + `batch`.
+Accounting: `emitted == sent + dropped + queued + (records in the batch being sent)`.
+
+Content off (`content=False`): `strip_content` reduces each record to counters (see there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from specrl.telemetry.record import SegmentRecord, StepRecord
+
+log = logging.getLogger(__name__)
+
+RECORD_FIELD = "r"  # the stream entry's one field: the msgpack-encoded SegmentRecord
+STRIPPED_TOKEN = -1  # stands for a token id that `strip_content` removed
+
+
+def events_stream(deployment: str) -> str:
+    """The stream key every replica of `deployment` appends its records to."""
+    return f"specrl:{deployment}:events"
+
+
+def strip_content(record: SegmentRecord) -> SegmentRecord:
+    """A copy of `record` without content: only ids, versions and counters remain.
+
+    Kept: request_id, segment, versions, deployment, replica, finish_reason, schema, and per
+    step position, k and accepted (so `drafted` and `accepted` are unchanged). Emptied:
+    prompt_ids -> None, tokens -> [], per step draft_tokens -> [], draft_logprobs -> [],
+    bonus -> STRIPPED_TOKEN (-1). A field added to the record that holds token ids, text,
+    log-probs or features must be emptied here too.
+    """
+    steps = [
+        StepRecord(position=s.position, k=s.k, draft_tokens=[], draft_logprobs=[],
+                   accepted=s.accepted, bonus=STRIPPED_TOKEN)
+        for s in record.steps
+    ]
+    return dataclasses.replace(record, prompt_ids=None, tokens=[], steps=steps)
+
+
+class RedisSink:
+    """A `RecordSink` that appends records to a Redis stream from a background thread.
+
+    Counters (read them from any thread): `emitted`, `sent`, `dropped` (queue full, failed
+    batch, or left over at close), `errors` (failed connects and failed batches), `queued`
+    (records waiting now), `connected` (the last Redis call succeeded).
+
+    The sink keeps a reference to each emitted record until it is encoded on the sender
+    thread: do not mutate a record after `emit`.
+    """
+
+    BACKOFF_MIN_S = 0.1
+    BACKOFF_MAX_S = 5.0
+    SOCKET_TIMEOUT_S = 2.0  # a Redis slower than this fails the batch (dropped, reconnect)
+    POLL_S = 0.05  # how often an idle sender looks at its stop flag
+
+    def __init__(self, url: str, stream: str, *, maxlen: int = 100_000,
+                 queue_size: int = 10_000, batch: int = 256, content: bool = True):
+        self.url = url
+        self.stream = stream
+        self.maxlen = maxlen
+        self.batch = batch
+        self.content = content
+        self.emitted = 0
+        self.sent = 0
+        self.errors = 0
+        self.connected = False
+        self._dropped_on_emit = 0  # written under _lock (emit may run on several threads)
+        self._dropped_on_send = 0  # written by the sender thread only
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[SegmentRecord] = queue.Queue(maxsize=queue_size)
+        # Built here so a malformed URL fails at construction; it connects lazily.
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=self.SOCKET_TIMEOUT_S,
+            socket_connect_timeout=self.SOCKET_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
+        self._closing = threading.Event()
+        self._outage_logged = False
+        self._deadline = float("inf")  # monotonic time after which close stops flushing
+        self._thread = threading.Thread(target=self._run, name=f"redis-sink:{stream}", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped_on_emit + self._dropped_on_send
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def emit(self, record: SegmentRecord) -> None:
+        """Queue `record` for sending; drop and count it when the queue is full or the sink
+        is closed. Never blocks on Redis, never raises."""
+        with self._lock:
+            self.emitted += 1
+            if self._closing.is_set():
+                self._dropped_on_emit += 1
+                return
+            try:
+                self._queue.put_nowait(record)
+            except queue.Full:
+                self._dropped_on_emit += 1
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (best effort, within `timeout` seconds), then stop the sender.
+        Records still queued when it stops are counted as dropped."""
+        with self._lock:
+            self._deadline = time.monotonic() + timeout
+            self._closing.set()
+        # One socket timeout of margin: a send in flight at the deadline finishes or fails.
+        self._thread.join(timeout + self.SOCKET_TIMEOUT_S)
+
+    # -- sender thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = self.BACKOFF_MIN_S
+        while not self._finished():
+            if not self.connected and not self._connect():
+                if self._closing.is_set():
+                    break  # closing while Redis is down: nothing more can be sent
+                self._closing.wait(backoff)  # close() cuts the wait short
+                backoff = min(2 * backoff, self.BACKOFF_MAX_S)
+                continue
+            backoff = self.BACKOFF_MIN_S
+            records = self._take()
+            if records:
+                self._send(records)
+        self._drop_queued()
+        self._client.close()
+        self.connected = False
+
+    def _finished(self) -> bool:
+        if not self._closing.is_set():
+            return False
+        return self._queue.empty() or time.monotonic() >= self._deadline
+
+    def _connect(self) -> bool:
+        try:
+            self._client.ping()
+        except redis.RedisError as exc:
+            self._failed("connect", exc)
+            return False
+        self.connected = True
+        self._outage_logged = False
+        log.info("event=redis_sink_connected stream=%s url=%s", self.stream, _safe_url(self.url))
+        return True
+
+    def _take(self) -> list[SegmentRecord]:
+        """Up to `batch` records: waits up to POLL_S for the first, takes the rest if ready."""
+        try:
+            records = [self._queue.get(timeout=self.POLL_S)]
+        except queue.Empty:
+            return []
+        while len(records) < self.batch:
+            try:
+                records.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return records
+
+    def _send(self, records: list[SegmentRecord]) -> None:
+        payloads = [p for p in map(self._encode, records) if p is not None]
+        pipe = self._client.pipeline(transaction=False)
+        for payload in payloads:
+            pipe.xadd(self.stream, {RECORD_FIELD: payload}, maxlen=self.maxlen, approximate=True)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            # Some XADDs of the batch may have landed: `dropped` is an upper bound here.
+            self._dropped_on_send += len(payloads)
+            self._failed("send", exc, lost=len(payloads))
+            self._client.connection_pool.disconnect()
+            return
+        self.sent += len(payloads)
+
+    def _encode(self, record: SegmentRecord) -> bytes | None:
+        """The record's msgpack bytes, or None (dropped, counted) if it cannot be encoded."""
+        try:
+            return (record if self.content else strip_content(record)).to_msgpack()
+        except Exception as exc:  # a malformed record must not kill the sender thread
+            self._dropped_on_send += 1
+            self.errors += 1
+            log.error("event=redis_sink_encode_failed stream=%s request_id=%s segment=%s error=%r",
+                      self.stream, getattr(record, "request_id", None),
+                      getattr(record, "segment", None), exc)
+            return None
+
+    def _failed(self, what: str, exc: Exception, lost: int = 0) -> None:
+        self.errors += 1
+        if not self._outage_logged:  # one line per outage, not one per retry
+            self._outage_logged = True
+            log.warning("event=redis_sink_%s_failed stream=%s url=%s dropped=%d error=%r",
+                        what, self.stream, _safe_url(self.url), lost, exc)
+        self.connected = False
+
+    def _drop_queued(self) -> None:
+        left = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            left += 1
+        self._dropped_on_send += left
+        if left:
+            log.warning("event=redis_sink_closed_with_backlog stream=%s dropped=%d", self.stream, left)
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"

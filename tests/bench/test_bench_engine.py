@@ -1,0 +1,50 @@
+"""`specrl bench engine` on the tiny model: the report's structure, its ratios, its chart."""
+
+import json
+
+import matplotlib.image
+import pytest
+
+from specrl.bench.engine import HF, NATIVE_PLAIN, NATIVE_SPEC, run_engine_bench
+from specrl.config import Settings
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_engine_writes_json_and_png(tmp_path, capsys):
+    settings = Settings.load(model="tiny-random")
+    result = run_engine_bench(settings, [1, 2], 8, str(tmp_path))
+
+    report = json.loads((tmp_path / "bench-engine.json").read_text())
+    assert report["batch_sizes"] == [1, 2] and report["new_tokens"] == 8
+    assert report["model"] == "tiny-random" and report["threads"] >= 1 and report["command"]
+    assert report["vllm"] in ("not installed", "installed, not measured here")
+    rows = {(r["engine"], r["batch_size"]): r for r in report["rows"]}
+    assert set(rows) == {(e, b) for e in (NATIVE_PLAIN, NATIVE_SPEC, HF) for b in (1, 2)}
+    for (engine, b), row in rows.items():
+        assert row["tokens"] == b * 8
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+    for b in (1, 2):
+        spec = rows[NATIVE_SPEC, b]
+        assert spec["acceptance_length"] >= 1.0 and 0.0 <= spec["accepted_fraction"] <= 1.0
+        ratio = report["ratios"][str(b)]
+        assert ratio["native_plain_over_hf"] == pytest.approx(
+            rows[NATIVE_PLAIN, b]["tokens_per_s"] / rows[HF, b]["tokens_per_s"])
+        assert ratio["native_spec_over_native_plain"] == pytest.approx(
+            spec["tokens_per_s"] / rows[NATIVE_PLAIN, b]["tokens_per_s"])
+
+    bandwidth, memory = report["bandwidth"], report["memory"]
+    assert bandwidth["read_gb_s"] > 0 and bandwidth["weight_bytes_per_forward"] > 0
+    assert bandwidth["bound_tokens_per_s_batch1"] == pytest.approx(
+        bandwidth["read_gb_s"] * 1e9 / bandwidth["weight_bytes_per_forward"])
+    assert set(bandwidth["achieved_over_bound_batch1"]) == {NATIVE_PLAIN, NATIVE_SPEC, HF}
+    assert memory["peak_rss_bytes"] > 0 and memory["model_bytes"] > 0
+    assert memory["limit_bytes"] == 2 * memory["model_bytes"] + memory["kv_cache_bytes_total"]
+    assert result["ratios"] == report["ratios"]
+
+    png = tmp_path / "bench-engine.png"
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    height, width, _ = matplotlib.image.imread(png).shape  # decodes the whole image
+    assert height > 100 and width > 100
+    out = capsys.readouterr().out
+    assert "native_plain" in out and str(tmp_path / "bench-engine.json") in out

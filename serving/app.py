@@ -21,23 +21,17 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specrl.config import Settings
-from specrl.errors import InvalidRequestError, ModelNotFoundError, SpecrlError
+from specrl.errors import (AuthError, ForbiddenError, InvalidRequestError, ModelNotFoundError, SpecrlError, SwapError,
+                           SwapInProgressError)
 from specrl.serving.engine_loop import EngineLoop
 from specrl.serving.generation import ChoiceStream, run_choices
 from specrl.serving.metrics import ServerMetrics
 from specrl.serving.protocol import (ChatCompletionRequest, CompletionRequest, error_body, fingerprint, new_id, now,
                                      usage)
-from specrl.serving.swap import MODES, ROLES, SwapError, SwapInProgressError, load_swap
+from specrl.serving.swap import MODES, ROLES, load_swap
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.serving")
-
-
-class AdminError(SpecrlError):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.http_status = status
-        self.error_type = "authentication_error" if status == 401 else "permission_error"
 
 
 class SwapBody(BaseModel):
@@ -170,12 +164,12 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
     # ---- admin: weights ----------------------------------------------------------------------
     def admin(request: Request) -> None:
         if not settings.admin_token:
-            raise AdminError(403, "the admin API is disabled: set SPECRL_ADMIN_TOKEN to enable it")
+            raise ForbiddenError("the admin API is disabled: set SPECRL_ADMIN_TOKEN to enable it")
         header = request.headers.get("authorization", "")
         if not header.startswith("Bearer "):
-            raise AdminError(401, "missing 'Authorization: Bearer <token>' header")
+            raise AuthError("missing 'Authorization: Bearer <token>' header")
         if not hmac.compare_digest(header[7:].encode(), settings.admin_token.encode()):
-            raise AdminError(403, "wrong admin token")
+            raise ForbiddenError("wrong admin token")
 
     @app.get("/admin/weights", dependencies=[Depends(admin)])
     async def list_weights():

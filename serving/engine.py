@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from specrl.config import Settings
-from specrl.errors import InvalidRequestError
+from specrl.errors import InvalidRequestError, SwapInProgressError
 from specrl.kernels import rejection_sample
 from specrl.models.drafter import EagleDrafter
 from specrl.models.llama import Llama, load_llama
 from specrl.serving.scheduler import Scheduler
 from specrl.serving.sequence import Sequence, Status
-from specrl.serving.swap import SwapInProgressError, SwapRequest, SwapResult
+from specrl.serving.swap import SwapRequest, SwapResult
 from specrl.spec.controller import CostModel, SpeculationController
 from specrl.spec.propose import Draft, catch_up, propose
 from specrl.spec.sampling import RowSampler, SamplingParams

@@ -13,17 +13,12 @@ import threading
 import time
 from typing import AsyncIterator
 
-from specrl.errors import SpecrlError
+from specrl.errors import EngineUnavailableError
 from specrl.serving.engine import Engine, StepOutput
 from specrl.serving.sequence import Sequence
 from specrl.spec.sampling import SamplingParams
 
 log = logging.getLogger("specrl.engine")
-
-
-class EngineDeadError(SpecrlError):
-    http_status = 503
-    error_type = "service_unavailable"
 
 
 class EngineLoop:
@@ -46,7 +41,7 @@ class EngineLoop:
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
         """Queue a request (event-loop side). Raises the engine's validation errors at once."""
         if not self.alive:
-            raise EngineDeadError("the engine is not running")
+            raise EngineUnavailableError("the engine is not running")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
@@ -104,7 +99,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 self.error = exc
                 for loop, queue in list(self._queues.values()):
-                    loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(f"the engine failed: {exc!r}"))
+                    loop.call_soon_threadsafe(queue.put_nowait, EngineUnavailableError(f"the engine failed: {exc!r}"))
                 return
             self.last_step_at = time.monotonic()
             for out in outputs:

@@ -19,22 +19,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specrl.errors import SpecrlError
+from specrl.errors import SwapError
 
 ROLES = ("drafter", "policy")
 MODES = ("drain", "interrupt")
-
-
-class SwapError(SpecrlError):
-    """A checkpoint that cannot be swapped in (corrupt, mismatched, wrong role)."""
-
-    http_status = 400
-    error_type = "invalid_request_error"
-
-
-class SwapInProgressError(SpecrlError):
-    http_status = 409
-    error_type = "conflict_error"
 
 
 @dataclass

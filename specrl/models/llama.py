@@ -169,64 +169,84 @@ class Llama(nn.Module):
         return linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head)
 
     # ---- weights -------------------------------------------------------------------------
-    def load_hf_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into this model.
+    def load_hf_state(self, source: "dict[str, torch.Tensor] | TensorSource") -> None:
+        """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into this model,
+        one tensor at a time (q, k, v land in slices of the fused qkv; gate, up in gate_up), so
+        loading never holds a second copy of the weights.
 
-        Every name and shape is checked before anything is copied: a bad checkpoint leaves the
-        current weights untouched (WeightsMismatch names the first problem)."""
-        fused = fuse_hf_state(tensors, self.cfg)
-        own = dict(self.named_parameters(remove_duplicate=True))
-        missing = sorted(set(own) - set(fused))
-        unexpected = sorted(set(fused) - set(own))
-        if missing or unexpected:
-            raise WeightsMismatch(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        for name, value in fused.items():
-            if value.shape != own[name].shape:
-                raise WeightsMismatch(f"{name}: shape {tuple(value.shape)} does not fit {tuple(own[name].shape)}")
-            if not value.dtype.is_floating_point or not torch.isfinite(value).all():
-                raise WeightsMismatch(f"{name}: not finite floating-point values")
+        Names and shapes are all checked before anything is copied (WeightsMismatch names the
+        first problem). Values are checked while copying; a non-finite tensor stops the load
+        part-way, so load into a fresh model (hot swaps always do)."""
+        source = source if isinstance(source, TensorSource) else TensorSource(source)
+        params = dict(self.named_parameters(remove_duplicate=True))
+        layout = hf_layout(self.cfg)
+        for name, parts in layout.items():
+            shapes = [source.shape(part) for part in parts]
+            missing = [part for part, shape in zip(parts, shapes) if shape is None]
+            if missing:
+                raise WeightsMismatch(f"checkpoint has no tensor {missing[0]!r}")
+            rows, want = sum(shape[0] for shape in shapes), tuple(params[name].shape)
+            if any(shape[1:] != want[1:] for shape in shapes) or rows != want[0]:
+                raise WeightsMismatch(f"{name}: checkpoint shapes {shapes} do not fit {want}")
         with torch.no_grad():
-            for name, value in fused.items():
-                own[name].copy_(value)
+            for name, parts in layout.items():
+                offset = 0
+                for part in parts:
+                    value = source.get(part)
+                    if not value.dtype.is_floating_point or not torch.isfinite(value).all():
+                        raise WeightsMismatch(f"{part}: not finite floating-point values")
+                    params[name][offset: offset + value.shape[0]].copy_(value)
+                    offset += value.shape[0]
+
+
+class TensorSource:
+    """HF tensors by name, from a dict or lazily from safetensors files (shape without loading)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None, files: list[Path] | None = None):
+        from safetensors import safe_open
+
+        self._tensors = tensors or {}
+        self._handles = {}
+        for path in files or []:
+            handle = safe_open(str(path), framework="pt")
+            self._handles.update({key: handle for key in handle.keys()})
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        if name in self._tensors:
+            return tuple(self._tensors[name].shape)
+        if name in self._handles:
+            return tuple(self._handles[name].get_slice(name).get_shape())
+        return None
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name] if name in self._tensors else self._handles[name].get_tensor(name)
+
+
+def hf_layout(cfg: LlamaConfig) -> dict[str, list[str]]:
+    """This module's parameter -> the HF tensors concatenated (dim 0) to make it."""
+    out = {"embed": ["model.embed_tokens.weight"], "norm": ["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.input_norm"] = [p + "input_layernorm.weight"]
+        out[f"layers.{i}.qkv"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+        out[f"layers.{i}.o"] = [p + "self_attn.o_proj.weight"]
+        out[f"layers.{i}.post_norm"] = [p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.gate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        out[f"layers.{i}.down"] = [p + "mlp.down_proj.weight"]
+    return out
 
 
 class WeightsMismatch(ValueError):
     """A checkpoint whose tensors do not fit the model (names, shapes or values)."""
 
 
-def fuse_hf_state(tensors: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """HF Llama names -> this module's names, with q|k|v and gate|up concatenated."""
-
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise WeightsMismatch(f"checkpoint has no tensor {name!r}")
-        return tensors[name].float()
-
-    out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = take("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight")
-        out[f"layers.{i}.qkv"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        out[f"layers.{i}.o"] = take(p + "self_attn.o_proj.weight")
-        out[f"layers.{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
-        out[f"layers.{i}.gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        out[f"layers.{i}.down"] = take(p + "mlp.down_proj.weight")
-    return out
-
-
 def load_llama(model_dir: Path) -> Llama:
     """Build the target from an HF safetensors directory (config.json + *.safetensors)."""
-    from safetensors.torch import load_file
-
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ModelNotFoundError(f"{model_dir} has no config.json")
-    cfg = LlamaConfig.from_dir(model_dir)
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(shard))
-    model = Llama(cfg)
-    model.load_hf_state(tensors)
+    model = Llama(LlamaConfig.from_dir(model_dir))
+    model.load_hf_state(TensorSource(files=sorted(model_dir.glob("*.safetensors"))))
     return model

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 from specrl.assets import MANIFEST, sha256_file, write_manifest
-from specrl.errors import SpecrlError
+from specrl.errors import (CorruptWeightsError, WeightsConflictError, WeightsError, WeightsNameError,
+                           WeightsNotFoundError)
 
 ROLES = ("drafter", "policy")
 VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch
@@ -37,38 +38,6 @@ POINTER = "current"
 WEIGHTS_FILE = "weights.safetensors"
 CONFIG_FILE = "config.json"
 _AUTO_VERSION = re.compile(r"v([0-9]+)")
-
-
-class WeightsError(SpecrlError):
-    """Base of the weights store's errors."""
-
-    http_status = 400
-    error_type = "invalid_request_error"
-
-
-class WeightsNameError(WeightsError):
-    """An unknown role or a version name that is not allowed."""
-
-
-class WeightsNotFoundError(WeightsError):
-    """A version, or a directory to publish, that does not exist."""
-
-    http_status = 404
-    error_type = "not_found_error"
-
-
-class WeightsConflictError(WeightsError):
-    """Publishing under an explicit version name that is already taken."""
-
-    http_status = 409
-    error_type = "conflict_error"
-
-
-class CorruptWeightsError(WeightsError):
-    """A stored version that does not match its manifest (corrupt, truncated, modified, misplaced)."""
-
-    http_status = 409
-    error_type = "conflict_error"
 
 
 @dataclass(frozen=True)

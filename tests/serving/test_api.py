@@ -107,7 +107,7 @@ def test_every_request_leaves_records_in_redis(server, client):
     r = redis.Redis.from_url(REDIS_URL)
     import time
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     records = []
     while time.monotonic() < deadline:
         records = [SegmentRecord.from_msgpack(f[b"r"]) for _, f in r.xrange(server.stream)]
@@ -115,7 +115,7 @@ def test_every_request_leaves_records_in_redis(server, client):
         if records and records[-1].finish_reason:
             break
         time.sleep(0.1)
-    assert [x.segment for x in records] == [0, 1]  # 70 tokens: more than one 64-step segment
+    assert [x.segment for x in records] == list(range(len(records))) and records[-1].finish_reason == "length"
     assert records[0].deployment == server.deployment
     assert sum(len(x.tokens) for x in records) >= 70
 

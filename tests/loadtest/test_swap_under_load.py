@@ -1,0 +1,91 @@
+"""Hot swaps under load: locust (its own process) drives a live server on the tiny model while a
+thread swaps the drafter and the policy (drain and interrupt) every 2 s. No request may fail,
+every response's versions must fit the swap log (loadtest/report.py explains how), and every
+request must have left its records in Redis."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import redis
+
+from loadtest.report import locust_aggregated, read_jsonl, version_problems
+from loadtest.swap_driver import prepare_versions, run_swaps
+from specrl.telemetry import RECORD_FIELD, SegmentRecord
+from tests.serving.conftest import ADMIN_TOKEN, REDIS_URL, start_server
+
+pytestmark = pytest.mark.redis
+ROOT = Path(__file__).resolve().parents[2]
+LOCUST_SECONDS = 20
+MIN_REQUESTS = 40
+
+
+def test_swaps_under_load_keep_every_response_consistent(home, tmp_path, tiny_dir):
+    server = start_server(home, tmp_path, "--redis-url", REDIS_URL)
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        versions = prepare_versions(server.store, tiny_dir)
+        swap_log, request_log, prefix = tmp_path / "swaps.jsonl", tmp_path / "requests.jsonl", tmp_path / "locust"
+        stop = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            swapping = pool.submit(run_swaps, server.url, ADMIN_TOKEN, versions, interval_s=2.0,
+                                   duration_s=LOCUST_SECONDS - 3, log_path=swap_log, stop=stop)
+            try:
+                locust = subprocess.run(
+                    [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+                     "-u", "8", "-r", "4", "-t", f"{LOCUST_SECONDS}s", "--stop-timeout", "10", "--host", server.url,
+                     "--csv", str(prefix), "--only-summary"],
+                    env={**os.environ, "SPECRL_LOADTEST_LOG": str(request_log)}, cwd=tmp_path,
+                    capture_output=True, text=True, timeout=LOCUST_SECONDS + 60)
+            finally:
+                stop.set()
+            swaps = [e for e in swapping.result(timeout=150) if e["event"] == "swap"]
+        output = locust.stdout[-3000:] + locust.stderr[-3000:]
+
+        assert locust.returncode == 0, output
+        assert locust_aggregated(prefix)["Failure Count"] == "0", output
+        requests = read_jsonl(request_log)
+        ok = [r for r in requests if r["status"] == "ok"]
+        assert [r for r in requests if r["status"] not in ("ok", "interrupted")] == []
+        assert len(ok) >= MIN_REQUESTS, output
+        assert len({r["id"] for r in ok}) == len(ok)
+
+        assert all(e["status"] == 200 for e in swaps), [e for e in swaps if e["status"] != 200]
+        assert len(swaps) >= 4
+        assert {(e["role"], e["mode"]) for e in swaps if e["role"] == "policy"} == {("policy", "drain"),
+                                                                                    ("policy", "interrupt")}
+        log = read_jsonl(swap_log)
+        assert version_problems(ok, log) == []
+        assert len({r["drafter"] for r in ok}) >= 2 and len({r["target"] for r in ok}) >= 2  # swaps were seen
+
+        records = _records_by_request(client, server.stream, {r["id"] for r in ok})
+        for r in ok:
+            pairs = {(rec.target_version, rec.drafter_version) for rec in records[r["id"]]}
+            runs = [tuple(run[1:]) for choice in r["versions"] or [] for run in choice]
+            assert set(runs) <= pairs, (r["id"], runs, pairs)
+    finally:
+        code = server.stop()
+        client.delete(server.stream)
+    assert code == 0, server.log.read_text()[-3000:]
+    assert "Traceback" not in server.log.read_text(), server.log.read_text()[-3000:]
+
+
+def _records_by_request(client, stream: str, ids: set[str], timeout: float = 15.0) -> dict[str, list[SegmentRecord]]:
+    """Every record of the stream by response id (a record's request_id is "<response id>-<choice>"),
+    waiting for the sink to deliver a record for each of `ids`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found: dict[str, list[SegmentRecord]] = {}
+        for _, fields in client.xrange(stream):
+            record = SegmentRecord.from_msgpack(fields[RECORD_FIELD.encode()])
+            found.setdefault(record.request_id.rsplit("-", 1)[0], []).append(record)
+        missing = ids - set(found)
+        if not missing or time.monotonic() > deadline:
+            assert not missing, f"{len(missing)} requests have no records in {stream}: {sorted(missing)[:5]}"
+            return found
+        time.sleep(0.5)

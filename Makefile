@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,14 @@ run: $(STAMP)
 	$(BIN)/specrl fetch-model smollm2-135m
 	$(BIN)/specrl generate
 
-test: $(STAMP)
+# The tests talk to a real Redis on 127.0.0.1:6379; start one only if none answers.
+redis:
+	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || \
+	  (command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)) && \
+	  (redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || \
+	   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no)
+
+test: $(STAMP) redis
 	$(BIN)/specrl fetch-model tiny-random
 	$(BIN)/specrl fetch-model smollm2-135m
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)

@@ -13,9 +13,10 @@ the request failed. Streaming requests also report two custom request types to t
 
 With SPECRL_LOADTEST_LOG set, each finished request appends one JSON line to that file
 (one writer per locust process, flushed per line): id, kind, stream, start/end (wall clock,
-seconds), status ("ok" or the failure), fingerprint versions, the `specrl.versions` runs
-([first output index, target, drafter] per choice), completion tokens, TTFT and ITL (ms),
-and for streams `seen`: when each distinct fingerprint first appeared [wall, target, drafter].
+seconds), status ("ok", the failure, or "interrupted" when locust stopped it), fingerprint
+versions, the `specrl.versions` runs ([first output index, target, drafter] per choice), the
+mean acceptance length, completion tokens, TTFT and ITL (ms), and for streams `seen`: when
+each distinct fingerprint first appeared [wall, target, drafter].
 This file imports nothing of specrl: locust runs it in its own process.
 """
 
@@ -65,6 +66,13 @@ def versions_of(fingerprint) -> tuple[str, str]:
     if not match:
         raise CheckFailed(f"bad system_fingerprint {fingerprint!r}")
     return match.group(1), match.group(2)
+
+
+def _spec_fields(data: dict, entry: dict) -> None:
+    """The server's `specrl` extension (a body, or the usage chunk of a stream): version runs, acceptance length."""
+    spec = data.get("specrl") or {}
+    entry["versions"] = spec.get("versions")
+    entry["acceptance_length"] = (spec.get("spec_decode") or {}).get("mean_acceptance_length")
 
 
 class SpecrlUser(HttpUser):
@@ -142,7 +150,7 @@ class SpecrlUser(HttpUser):
         if not isinstance(text, str) or choice["finish_reason"] not in ("stop", "length"):
             raise CheckFailed(f"bad choice {choice!r}")
         entry["completion_tokens"] = data["usage"]["completion_tokens"]
-        entry["versions"] = (data.get("specrl") or {}).get("versions")
+        _spec_fields(data, entry)
 
     @staticmethod
     def _read_stream(resp, kind: str, started: float, entry: dict) -> None:
@@ -172,7 +180,7 @@ class SpecrlUser(HttpUser):
             entry["fingerprint"] = chunk["system_fingerprint"]
             if chunk.get("usage"):
                 usage = chunk["usage"]
-                entry["versions"] = (chunk.get("specrl") or {}).get("versions")
+                _spec_fields(chunk, entry)
                 continue
             [choice] = chunk["choices"]
             content = choice["delta"].get("content") if kind == "chat" else choice["text"]

@@ -118,6 +118,7 @@ def summarize(requests: list[dict], swap_log: list[dict] | None = None) -> dict:
     ttft = [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None]
     itl = [gap for r in ok for gap in r.get("itl_ms", [])]
     latency = [(r["end"] - r["start"]) * 1000 for r in ok]
+    acceptance = [r["acceptance_length"] for r in ok if r.get("acceptance_length") is not None]
     summary = {
         "requests_ok": len(ok), "requests_failed": sum(r["status"] not in ("ok", "interrupted") for r in requests),
         "requests_interrupted": sum(r["status"] == "interrupted" for r in requests),
@@ -126,6 +127,7 @@ def summarize(requests: list[dict], swap_log: list[dict] | None = None) -> dict:
         "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "count": len(ttft)},
         "itl_ms": {"p50": percentile(itl, 50), "p99": percentile(itl, 99), "count": len(itl)},
         "latency_ms": {"p50": percentile(latency, 50), "p99": percentile(latency, 99)},
+        "mean_acceptance_length": sum(acceptance) / len(acceptance) if acceptance else None,
         "failures": sorted({r["status"] for r in requests if r["status"] not in ("ok", "interrupted")})[:10],
     }
     if swap_log is not None:

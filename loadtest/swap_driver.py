@@ -90,7 +90,8 @@ def run_swaps(url: str, token: str, versions: dict[str, list[str]], *, roles=("d
               modes=("drain", "interrupt"), interval_s: float = 2.0, duration_s: float = 20.0,
               log_path: Path | str | None = None, stop: threading.Event | None = None) -> list[dict]:
     """Swap every `interval_s` seconds (the first after one interval) until `duration_s` has
-    passed or `stop` is set; -> the log entries (also appended to `log_path` when given)."""
+    passed or `stop` is set; -> the log entries (also appended to `log_path` when given).
+    With no `roles` it only logs the start entry and returns."""
     stop = stop or threading.Event()
     headers = {"Authorization": f"Bearer {token}"}
     log = open(log_path, "a", buffering=1) if log_path else None
@@ -107,6 +108,8 @@ def run_swaps(url: str, token: str, versions: dict[str, list[str]], *, roles=("d
             health = client.get("/health").json()
             serving = {"policy": health["target_version"], "drafter": health["drafter_version"]}
             write({"event": "start", "time": time.time(), "serving": dict(serving)})
+            if not roles:  # nothing to swap: the log only records what serves
+                return entries
             started, count, policy_swaps = time.monotonic(), 0, 0
             while not stop.wait(max(0.0, started + (count + 1) * interval_s - time.monotonic())):
                 if time.monotonic() - started > duration_s:

@@ -64,6 +64,21 @@ def _parser() -> argparse.ArgumentParser:
     _engine_flags(serve)
     serve.set_defaults(run=_serve)
 
+    train = sub.add_parser("train-drafter", help="learn the drafter from the reward stream; publish and swap")
+    train.add_argument("--redis-url", default=None)
+    train.add_argument("--server", action="append", default=None, help="replica URL to swap (repeatable)")
+    train.add_argument("--store", default=None)
+    train.add_argument("--deployment", default=None)
+    train.add_argument("--objective", default=None, choices=["kl", "kl_neg", "pg"])
+    train.add_argument("--lr", type=float, default=None)
+    train.add_argument("--train-records", type=int, default=None, help="records per optimizer step")
+    train.add_argument("--publish-every-s", type=float, default=None)
+    train.add_argument("--publish-every-steps", type=int, default=None)
+    train.add_argument("--consumer", default=None, help="stable consumer name in the group")
+    train.add_argument("--model", default=None)
+    _common(train)
+    train.set_defaults(run=_train_drafter)
+
     bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON and PNG)")
     bench_sub = bench.add_subparsers(title="benchmarks")
     engine = bench_sub.add_parser("engine", help="native plain vs native speculative vs HF generate")
@@ -73,6 +88,16 @@ def _parser() -> argparse.ArgumentParser:
     _common(engine)
     _engine_flags(engine)
     engine.set_defaults(run=_bench_engine)
+    serve_bench = bench_sub.add_parser("serve", help="a live server under locust load: no swaps, drafter and policy "
+                                                     "swaps, telemetry off vs on")
+    serve_bench.add_argument("--duration", type=float, default=30.0, help="seconds of load per scenario")
+    serve_bench.add_argument("--users", type=int, default=4, help="concurrent locust users")
+    serve_bench.add_argument("--redis-url", default=None, help="Redis for the telemetry-on server "
+                                                               "(default redis://127.0.0.1:6379/0)")
+    serve_bench.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-serve-<time>)")
+    _common(serve_bench)
+    _engine_flags(serve_bench)
+    serve_bench.set_defaults(run=_bench_serve)
     return parser
 
 
@@ -89,7 +114,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 FLAGS = ("home", "threads", "model", "drafter", "max_draft_tokens", "max_batch", "host", "port", "redis_url", "store",
-         "deployment", "replica", "telemetry_content")
+         "deployment", "replica", "telemetry_content", "objective", "lr", "train_records", "publish_every_s",
+         "publish_every_steps", "consumer")
 
 
 def _settings(args: argparse.Namespace, **extra) -> Settings:
@@ -146,12 +172,26 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(_settings(args))
 
 
+def _train_drafter(args: argparse.Namespace) -> int:
+    from specrl.trainer.main import train_drafter
+
+    servers = ",".join(args.server) if args.server else None
+    return train_drafter(_settings(args, servers=servers))
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
     from specrl.bench.engine import run_engine_bench
 
     settings = _settings(args)
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     run_engine_bench(settings, sizes, args.new_tokens, args.out)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from specrl.bench.serve import run_serve_bench
+
+    run_serve_bench(_settings(args), duration_s=args.duration, users=args.users, out_dir=args.out)
     return 0
 
 

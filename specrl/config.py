@@ -61,6 +61,21 @@ class Settings:
     max_body_bytes: int = 1 << 20
     # Seconds a SIGTERM waits for in-flight requests before aborting them.
     shutdown_timeout: float = 30.0
+    # Drafter trainer.
+    servers: str = ""  # comma-separated replica URLs asked to swap after a publish
+    objective: str = "kl"  # kl | kl_neg | pg
+    lr: float = 3e-4
+    train_records: int = 16  # records per optimizer step
+    train_positions: int = 1024  # at most this many drafter positions per step
+    publish_every_s: float = 60.0
+    publish_every_steps: int = 50
+    publish_margin: float = 0.02  # candidate tau must beat serving tau by this fraction
+    heldout_fraction: float = 0.1
+    eval_k: int = 4
+    canary_tokens: int = 200  # drafted tokens observed before judging a new drafter live
+    canary_margin: float = 0.05  # rollback when its accept rate falls this far below the previous
+    consumer: str = "trainer-0"
+    checkpoint_every_steps: int = 5
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":

@@ -8,6 +8,8 @@ import torch
 
 from specrl.assets import fetch_model
 from specrl.config import Settings
+from specrl.serving.engine import Engine
+from specrl.telemetry.sink import MemorySink
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +37,14 @@ def tokenizer(tiny_dir):
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def make_engine(home):
+    """make_engine(model="tiny-random", drafter="day0", **settings) -> Engine with a MemorySink."""
+
+    def make(model="tiny-random", drafter="day0", **overrides):
+        settings = Settings.load(home=home, model=model, drafter=drafter, **overrides)
+        return Engine.from_settings(settings, sink=MemorySink(), progress=False)
+
+    return make

@@ -154,12 +154,19 @@ class Llama(nn.Module):
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(self.cfg.num_layers, num_slots, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
 
-    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor | None = None, start: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens [B, T] int64 at positions start[b] .. start[b]+T-1 of slot slots[b] -> hidden [B, T, H]
-        (the last layer's output before the final norm)."""
+        (the last layer's output before the final norm). Without a cache: whole sequences from
+        position 0, causal (the trainer's feature pass; right padding does not leak backwards)."""
+        x = F.embedding(tokens, self.embed)
+        if cache is None:
+            cos, sin = self.rope.tables(torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1))
+            for layer in self.layers:
+                x = layer(x, cos, sin, None, None)
+            return x
         batch = CacheBatch.build(slots, start, tokens.shape[1])
         cos, sin = self.rope.tables(batch.positions)
-        x = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, (cache.k[i], cache.v[i]), batch)
         return x

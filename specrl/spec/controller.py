@@ -38,6 +38,11 @@ class CostModel:
     smoothing: float = 0.2
 
     def step_cost(self, batch: int, k: int) -> float:
+        """Never less than the cost of drafting fewer tokens: drafting more is more work, and a
+        noisy timing must not make it look cheaper."""
+        return max(self._raw_cost(batch, j) for j in range(k + 1))
+
+    def _raw_cost(self, batch: int, k: int) -> float:
         if (batch, k) in self.observed:
             return self.observed[(batch, k)]
         # k draft passes: the catch-up pass over the newly verified positions yields the first

@@ -133,18 +133,18 @@ class RecordReader:
                 continue
             payload = fields.get(RECORD_FIELD.encode())
             if payload is None:
-                self._dead_letter(entry_id, b"", f"no field {RECORD_FIELD!r} in the entry")
+                self.dead_letter(entry_id, b"", f"no field {RECORD_FIELD!r} in the entry")
                 discard.append(entry_id)
                 continue
             try:
                 records.append((entry_id, SegmentRecord.from_msgpack(payload)))
             except Exception as exc:  # any decode failure makes a poison entry, never a crash
-                self._dead_letter(entry_id, payload, f"{type(exc).__name__}: {exc}")
+                self.dead_letter(entry_id, payload, f"{type(exc).__name__}: {exc}")
                 discard.append(entry_id)
         self.ack(discard)
         return records
 
-    def _dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
+    def dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
         self.dead_lettered += 1
         log.warning("event=poison_record stream=%s id=%s group=%s consumer=%s reason=%r",
                     self.stream, entry_id, self.group, self.consumer, reason)

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from loadtest.report import locust_aggregated, read_jsonl, version_problems
+from loadtest.report import locust_aggregated, read_jsonl, serving_periods, version_problems
 from loadtest.swap_driver import prepare_versions, run_swaps
 from specrl.telemetry import RECORD_FIELD, SegmentRecord
 from tests.serving.conftest import ADMIN_TOKEN, REDIS_URL, start_server
 
-pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]
 LOCUST_SECONDS = 20
 MIN_REQUESTS = 40
 
 
+@pytest.mark.redis
 def test_swaps_under_load_keep_every_response_consistent(home, tmp_path, tiny_dir):
     server = start_server(home, tmp_path, "--redis-url", REDIS_URL)
     client = redis.Redis.from_url(REDIS_URL)
@@ -89,3 +89,36 @@ def _records_by_request(client, stream: str, ids: set[str], timeout: float = 15.
             assert not missing, f"{len(missing)} requests have no records in {stream}: {sorted(missing)[:5]}"
             return found
         time.sleep(0.5)
+
+
+SWAP_LOG = [{"event": "start", "time": 0.0, "serving": {"policy": "base", "drafter": "day0"}},
+            {"event": "swap", "role": "drafter", "version": "d1", "mode": "drain", "before": 10.0, "after": 11.0,
+             "status": 200},
+            {"event": "swap", "role": "policy", "version": "p1", "mode": "drain", "before": 12.0, "after": 13.0,
+             "status": 409},
+            {"event": "swap", "role": "drafter", "version": "d2", "mode": "drain", "before": 20.0, "after": 21.0,
+             "status": 200}]
+
+
+def _response(start, end, runs, target=None, drafter=None):
+    return {"id": f"r{start}-{end}", "status": "ok", "start": start, "end": end, "versions": [runs],
+            "target": target or runs[-1][1], "drafter": drafter or runs[-1][2]}
+
+
+def test_serving_periods_span_from_a_swaps_call_to_the_next_swaps_reply():
+    assert serving_periods(SWAP_LOG, "drafter") == [("day0", float("-inf"), 11.0), ("d1", 10.0, 21.0),
+                                                    ("d2", 20.0, float("inf"))]
+    assert serving_periods(SWAP_LOG, "policy") == [("base", float("-inf"), float("inf"))]  # a failed swap changes nothing
+
+
+@pytest.mark.parametrize("response,consistent", [
+    (_response(10.5, 10.8, [[0, "base", "day0"]]), True),  # the swap may not have happened yet
+    (_response(10.5, 10.8, [[0, "base", "d1"]]), True),
+    (_response(12.0, 13.0, [[0, "base", "day0"]]), False),  # day0 was gone by 11
+    (_response(5.0, 25.0, [[0, "base", "day0"], [3, "base", "d2"]]), True),  # d1 served no token of it
+    (_response(5.0, 25.0, [[0, "base", "d2"], [3, "base", "d1"]]), False),  # out of swap order
+    (_response(5.0, 9.0, [[0, "base", "day0"]], drafter="d1"), False),  # fingerprint before its swap
+    (_response(5.0, 9.0, [[0, "p1", "day0"]]), False),  # a policy that never served
+])
+def test_version_check_against_the_swap_log(response, consistent):
+    assert (version_problems([response], SWAP_LOG) == []) is consistent

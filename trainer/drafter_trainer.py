@@ -1,0 +1,273 @@
+"""The drafter trainer: consume reward events, learn, evaluate, publish, canary.
+
+    read records (consumer group; own pending first, stale ones of dead consumers claimed)
+      -> rebuild contexts (dedupe by request, segment) -> held-out slice or training batch
+      -> target features with a frozen copy of the target at the record's version
+      -> drafter loss (objective) -> optimizer step
+      -> every few steps: checkpoint the trainer's state, then ack the records it covers
+      -> every N steps or T seconds: exact greedy acceptance of candidate vs serving drafter on
+         the held-out slice; publish and swap replicas if the candidate wins by a margin
+      -> canary: a published drafter that accepts worse live is rolled back.
+
+Staleness rule: records name the policy version that produced them; a record whose version is
+not the newest one seen is trained with weight 0.25 (the drafter must follow the current policy),
+and one whose version cannot be loaded from the store is skipped and acked.
+Acks come only after a checkpoint holding the optimizer step that used the records: a killed
+trainer re-reads unacked records and trains on them once (the dedupe set is in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+import zlib
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from specrl.config import Settings
+from specrl.models.drafter import EagleDrafter
+from specrl.models.llama import Llama, load_llama
+from specrl.spec.simulate import simulate_greedy
+from specrl.telemetry.reader import RecordReader
+from specrl.trainer.canary import Canary
+from specrl.trainer.contexts import ContextBook, Example
+from specrl.trainer.objectives import OBJECTIVES, drafter_loss
+from specrl.trainer.publisher import Publisher
+from specrl.weights import WeightsStore
+
+log = logging.getLogger("specrl.trainer")
+STALE_WEIGHT = 0.25
+
+
+class TargetPool:
+    """Frozen target copies by policy version ("base" is the model directory)."""
+
+    def __init__(self, base_dir: Path, base_version: str, store: WeightsStore):
+        self.base_dir, self.base_version, self.store = base_dir, base_version, store
+        self._models: dict[str, Llama] = {}
+
+    def get(self, version: str) -> Llama | None:
+        if version not in self._models:
+            try:
+                directory = self.base_dir if version == self.base_version else self.store.verify("policy", version)
+                self._models = {version: load_llama(directory), **dict(list(self._models.items())[-1:])}
+            except Exception as exc:  # noqa: BLE001 - any unloadable version is skipped, with the reason logged
+                log.warning("event=target_unavailable version=%s error=%s", version, exc)
+                return None
+        return self._models[version]
+
+    @torch.no_grad()
+    def features(self, version: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """-> hidden [T, H], logits [T, V] of the target at `version` over `tokens`."""
+        target = self.get(version)
+        if target is None:
+            return None
+        hidden = target(torch.tensor(tokens)[None])[0]
+        return hidden, target.logits(hidden)
+
+
+class DrafterTrainer:
+    def __init__(self, settings: Settings, model_dir: Path, reader: RecordReader, *, store: WeightsStore,
+                 publisher: Publisher | None, state_path: Path):
+        if settings.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {settings.objective!r}")
+        self.settings, self.reader, self.store, self.publisher = settings, reader, store, publisher
+        self.targets = TargetPool(model_dir, settings.target_version, store)
+        self.target_version = settings.target_version
+        base = self.targets.get(self.target_version)
+        serving = store.current("drafter")
+        self.drafter = (EagleDrafter.load(store.verify("drafter", serving), base) if serving
+                        else EagleDrafter.day0(base, seed=settings.seed))
+        self.serving_version = serving or settings.drafter_version
+        self.serving = copy.deepcopy(self.drafter)  # what replicas run: the bar a candidate must beat
+        self.serving.retarget(base)
+        self.optimizer = torch.optim.AdamW([p for p in self.drafter.parameters() if p.requires_grad], lr=settings.lr)
+        self.book = ContextBook()
+        self.heldout: deque[Example] = deque(maxlen=64)
+        self.canary = Canary(settings.canary_tokens, settings.canary_margin)
+        self.state_path = state_path
+        self.step = self.records = self.skipped = 0
+        self.unacked: list[str] = []
+        self.history: list[dict] = []  # evaluations and publishes, for reports
+        self._last_eval = time.monotonic()
+        self._last_eval_step = 0
+        self._scaled = serving is not None  # a published drafter already carries its feature scale
+        self.load_state()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, should_stop, *, block_ms: int = 1000) -> None:
+        self.reader.ensure_group()
+        while not should_stop():
+            self.run_once(block_ms)
+
+    def run_once(self, block_ms: int = 1000) -> int:
+        """Read one batch, train on it, maybe checkpoint+ack, evaluate and publish. -> records read."""
+        entries = self.reader.read(self.settings.train_records, block_ms) or \
+            self.reader.claim_stale(min_idle_ms=60_000, count=self.settings.train_records)
+        batch = []
+        for entry_id, record in entries:
+            self.unacked.append(entry_id)
+            self.canary.observe(record)
+            try:
+                example = self.book.add(record)
+            except ValueError as exc:
+                self.reader.dead_letter(entry_id, record.to_msgpack(), f"cannot rebuild context: {exc}")
+                self.unacked.remove(entry_id)
+                continue
+            if example is None:
+                continue
+            if self.targets.get(record.target_version) is None:
+                self.skipped += 1
+                continue
+            self.target_version = max(self.target_version, record.target_version, key=self._version_order)
+            heldout = zlib.crc32(record.request_id.encode()) % 1000 < self.settings.heldout_fraction * 1000
+            (self.heldout if heldout else batch).append(example)
+        if batch:
+            self.train(batch)
+        if self.unacked and (not batch or self.step % self.settings.checkpoint_every_steps == 0):
+            self.save_state()
+            self.reader.ack(self.unacked)
+            self.unacked = []
+        self.maybe_publish()
+        self.check_canary()
+        return len(entries)
+
+    def train(self, batch: list[Example]) -> float:
+        """One optimizer step on the examples' drafter positions."""
+        self.drafter.train()
+        losses, weights = [], []
+        budget = self.settings.train_positions
+        for example in batch:
+            positions = list(example.positions)[-budget:] if budget > 0 else []
+            if not positions:
+                continue
+            budget -= len(positions)
+            loss = self._example_loss(example, positions)
+            if loss is not None:
+                losses.append(loss)
+                weights.append(1.0 if example.target_version == self.target_version else STALE_WEIGHT)
+        if not losses:
+            return float("nan")
+        total = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
+        self.optimizer.zero_grad()
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        self.records += len(batch)
+        return float(total.detach())
+
+    def _example_loss(self, example: Example, positions: list[int]) -> torch.Tensor | None:
+        feats = self.targets.features(example.target_version, example.tokens)
+        if feats is None:
+            return None
+        hidden, target_logits = feats
+        if not self._scaled:  # standardise features once, from the first context seen (FACTS.md)
+            with torch.no_grad():
+                self.drafter.feature_scale.copy_(hidden.std(0).clamp(min=1e-2))
+            self._scaled = True
+        tokens = torch.tensor(example.tokens)
+        out = self.drafter(hidden[None, :-1], tokens[None, 1:])[0]  # [T-1, H]: index j predicts x_{j+2}
+        index = torch.tensor(positions)
+        draft_logits = self._full_vocab(self.drafter.logits(out[index]))
+        row_of = {p: i for i, p in enumerate(positions)}
+        rejected = [(row_of[p], t) for p, t in example.rejected if p in row_of]
+        firsts = [(row_of[pos - 2], d[0], a) for pos, d, a in example.steps if d and pos - 2 in row_of]
+        return drafter_loss(self.settings.objective, draft_logits, target_logits[index + 1],
+                            rejected_rows=torch.tensor([r for r, _ in rejected], dtype=torch.long),
+                            rejected_tokens=torch.tensor([t for _, t in rejected], dtype=torch.long),
+                            step_rows=torch.tensor([r for r, _, _ in firsts], dtype=torch.long),
+                            step_tokens=torch.tensor([t for _, t, _ in firsts], dtype=torch.long),
+                            step_returns=torch.tensor([a for _, _, a in firsts], dtype=torch.long))
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.drafter.draft_to_target is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.drafter.cfg.vocab_size), float("-inf"))
+        return full.index_copy(1, self.drafter.draft_to_target, logits)
+
+    # ---- evaluate, publish, canary -------------------------------------------------------------
+    def evaluate(self, drafter: EagleDrafter) -> float | None:
+        """Mean tokens per verify step (exact greedy, k = eval_k) over the held-out examples."""
+        drafter.eval()
+        taus = []
+        for example in self.heldout:
+            feats = self.targets.features(example.target_version, example.tokens)
+            if feats is not None and example.start < len(example.tokens) - 1:
+                taus.append(simulate_greedy(drafter, feats[0], torch.tensor(example.tokens), example.start,
+                                            self.settings.eval_k).tau)
+        return sum(taus) / len(taus) if taus else None
+
+    def maybe_publish(self) -> str | None:
+        due = (self.step - self._last_eval_step >= self.settings.publish_every_steps
+               or time.monotonic() - self._last_eval >= self.settings.publish_every_s)
+        if not due or self.step == self._last_eval_step or not self.heldout:
+            return None
+        self._last_eval, self._last_eval_step = time.monotonic(), self.step
+        candidate, serving = self.evaluate(self.drafter), self.evaluate(self.serving)
+        entry = {"time": time.time(), "step": self.step, "records": self.records, "candidate_tau": candidate,
+                 "serving_tau": serving, "serving_version": self.serving_version, "published": None}
+        self.history.append(entry)
+        log.info("event=evaluate step=%d records=%d candidate_tau=%s serving_tau=%s", self.step, self.records,
+                 candidate, serving)
+        if candidate is None or serving is None or candidate <= serving * (1 + self.settings.publish_margin):
+            return None
+        return self._publish(candidate, serving, entry)
+
+    def _publish(self, candidate: float, serving: float, entry: dict) -> str | None:
+        if self.publisher is None:
+            return None
+        version = self.publisher.publish(self.drafter, parent=self.serving_version, target_version=self.target_version,
+                                         metrics={"heldout_tau": candidate, "serving_tau": serving, "step": self.step,
+                                                  "records": self.records})
+        report = self.publisher.swap(version)
+        entry.update(published=version, swapped=report.swapped, failed=report.failed)
+        log.info("event=publish version=%s parent=%s tau=%.3f serving_tau=%.3f swapped=%s failed=%s", version,
+                 self.serving_version, candidate, serving, report.swapped, list(report.failed))
+        if report.swapped:
+            self.canary.watch(version, self.serving_version)
+            self.serving, self.serving_version = copy.deepcopy(self.drafter), version
+            self.serving.retarget(self.drafter.target)
+        return version
+
+    def check_canary(self) -> None:
+        reason = self.canary.verdict()
+        if reason is None or self.publisher is None:
+            return
+        bad, parent = self.serving_version, self.store.parent("drafter", self.serving_version)
+        if parent is None:
+            return
+        report = self.publisher.swap(parent)
+        log.warning("event=rollback version=%s to=%s reason=%r swapped=%s", bad, parent, reason, report.swapped)
+        self.history.append({"time": time.time(), "step": self.step, "rollback": bad, "to": parent, "reason": reason})
+        self.serving = EagleDrafter.load(self.store.verify("drafter", parent), self.drafter.target)
+        self.serving_version = parent
+
+    # ---- state ------------------------------------------------------------------------------------
+    def save_state(self) -> None:
+        state = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                 "records": self.records, "serving_version": self.serving_version, "book": self.book.state(),
+                 "history": self.history}
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_path)
+
+    def load_state(self) -> None:
+        if not self.state_path.is_file():
+            return
+        state = torch.load(self.state_path, weights_only=False)
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.records, self.history = state["step"], state["records"], state["history"]
+        self.book.load_state(state["book"])
+        self._last_eval_step, self._scaled = self.step, True
+        log.info("event=resume step=%d records=%d serving_version=%s", self.step, self.records, self.serving_version)
+
+    def _version_order(self, version: str) -> tuple:
+        manifests = {m.version: i for i, m in enumerate(self.store.versions("policy"))}
+        return (version != self.settings.target_version, manifests.get(version, -1))

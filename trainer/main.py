@@ -1,0 +1,46 @@
+"""`specrl train-drafter`: the trainer process (signals, logging, assembly)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from specrl.assets import resolve_model
+from specrl.config import Settings
+from specrl.errors import InvalidRequestError
+from specrl.telemetry import RecordReader, events_stream
+from specrl.trainer.drafter_trainer import DrafterTrainer
+from specrl.trainer.publisher import Publisher
+from specrl.weights import WeightsStore
+
+GROUP = "drafter"
+
+
+def build_trainer(settings: Settings) -> DrafterTrainer:
+    if not settings.redis_url:
+        raise InvalidRequestError("the trainer needs --redis-url (or SPECRL_REDIS_URL)")
+    store = WeightsStore(settings.store_path)
+    servers = [s for s in settings.servers.split(",") if s]
+    reader = RecordReader(settings.redis_url, events_stream(settings.deployment), GROUP, settings.consumer)
+    publisher = Publisher(store, servers, settings.admin_token) if servers else None
+    state = settings.home / "trainer" / settings.deployment / f"{settings.consumer}.pt"
+    return DrafterTrainer(settings, resolve_model(settings.model, settings.home), reader, store=store,
+                          publisher=publisher, state_path=state)
+
+
+def train_drafter(settings: Settings) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    trainer = build_trainer(settings)
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    logging.getLogger("specrl.trainer").info(
+        "event=start deployment=%s consumer=%s objective=%s serving_drafter=%s", settings.deployment,
+        settings.consumer, settings.objective, trainer.serving_version)
+    trainer.run(lambda: bool(stopping))
+    trainer.save_state()
+    if trainer.unacked:
+        trainer.reader.ack(trainer.unacked)
+    return 0

@@ -1,0 +1,74 @@
+"""Publish a drafter into the weights store and ask every server replica to swap to it.
+
+Replicas are asked over their admin API; one that is down is retried a few times and reported,
+the others still swap. Uses only the standard library's HTTP client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specrl.models.drafter import EagleDrafter
+from specrl.weights import WeightsStore
+
+log = logging.getLogger("specrl.trainer")
+
+
+@dataclass
+class SwapReport:
+    version: str
+    swapped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # replica URL -> last error
+
+
+class Publisher:
+    def __init__(self, store: WeightsStore, servers: list[str], admin_token: str, *, retries: int = 3,
+                 backoff_s: float = 0.5, timeout_s: float = 60.0):
+        self.store, self.servers, self.admin_token = store, servers, admin_token
+        self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
+
+    def publish(self, drafter: EagleDrafter, *, parent: str | None, target_version: str, metrics: dict) -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            drafter.save(Path(tmp))
+            manifest = self.store.publish("drafter", tmp, parent=parent, target_version=target_version,
+                                          metrics=metrics, architecture={"drafter": drafter.cfg.architecture})
+        return manifest.version
+
+    def swap(self, version: str) -> SwapReport:
+        """Ask every replica to serve drafter `version` (also how a rollback is done: by naming
+        the previous version, which stays correct if a retried request had already landed)."""
+        report = SwapReport(version)
+        for server in self.servers:
+            error = self._ask(server.rstrip("/") + "/admin/weights", {"role": "drafter", "version": version})
+            if error is None:
+                report.swapped.append(server)
+            else:
+                report.failed[server] = error
+                log.warning("event=swap_failed replica=%s version=%s error=%s", server, version, error)
+        return report
+
+    def _ask(self, url: str, body: dict) -> str | None:
+        """POST with retries; -> None on success, else the last error."""
+        error = "not tried"
+        for attempt in range(self.retries):
+            request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                             headers={"Content-Type": "application/json",
+                                                      "Authorization": f"Bearer {self.admin_token}"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s):
+                    return None
+            except urllib.error.HTTPError as exc:
+                error = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}"
+                if exc.code < 500 and exc.code != 409:
+                    return error  # the replica refused the checkpoint: retrying will not help
+            except (urllib.error.URLError, OSError) as exc:
+                error = str(exc)
+            time.sleep(self.backoff_s * 2 ** attempt)
+        return error

@@ -1,5 +1,5 @@
-# One entry point. `make run` serves the default model with speculative decoding and prints a
-# sample; `make test` runs the tests. Both build .venv from nothing on first use.
+# One entry point. `make run` starts the whole learning loop (server + drafter trainer + demo
+# traffic, Ctrl-C stops it); `make test` runs the tests. Both build .venv from nothing on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/specrl fetch-model smollm2-135m
-	$(BIN)/specrl generate
+	$(BIN)/specrl up --demo
 
 # The tests talk to a real Redis on 127.0.0.1:6379; start one only if none answers.
 redis:

@@ -41,6 +41,8 @@ class _EngineCollector:
             per_pos.add_metric([str(position)], count)
         yield per_pos
         yield CounterMetricFamily("specrl_generation_tokens", "Tokens generated", value=stats.generated_tokens)
+        yield CounterMetricFamily("specrl_verify_steps", "Verify steps summed over sequences (k = 0 included)",
+                                  value=stats.steps)
         yield CounterMetricFamily("specrl_prompt_tokens", "Prompt tokens admitted", value=stats.prompt_tokens)
         versions = GaugeMetricFamily("specrl_weight_version_info", "Weight versions serving (value 1)",
                                      labels=["role", "version"])

@@ -51,6 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     _engine_flags(gen)
     gen.set_defaults(run=_generate)
 
+    up = sub.add_parser("up", help="the whole loop: Redis, server, drafter trainer, demo traffic, live view, report")
+    up.add_argument("--demo", action="store_true", help="replay the bundled prompt mix through the API")
+    up.add_argument("--duration", type=float, default=0, help="seconds to run (0: until Ctrl-C)")
+    up.add_argument("--users", type=int, default=4, help="concurrent demo clients")
+    up.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else an embedded Valkey server")
+    up.add_argument("--port", type=int, default=None)
+    up.add_argument("--model", default=None)
+    up.add_argument("--deployment", default=None)
+    _common(up)
+    up.set_defaults(run=_up)
+
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with speculative decoding")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
@@ -163,6 +174,17 @@ def _generate(args: argparse.Namespace) -> int:
                       "tokens_per_s": round(len(done.output_ids) / seconds, 1),
                       "acceptance_length": round(done.acceptance_length, 2), "finish_reason": done.finish_reason,
                       "target_version": done.target_version, "drafter_version": done.drafter_version}), file=sys.stderr)
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    import os
+
+    from specrl.up import run_up
+
+    args.redis_url = args.redis_url or os.environ.get("REDIS_URL") or None
+    settings = _settings(args)
+    run_up(settings, demo=args.demo, duration_s=args.duration, users=args.users)
     return 0
 
 

@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--publish-every-s", type=float, default=None)
     train.add_argument("--publish-every-steps", type=int, default=None)
     train.add_argument("--consumer", default=None, help="stable consumer name in the group")
+    train.add_argument("--metrics-port", dest="trainer_metrics_port", type=int, default=None,
+                       help="serve Prometheus metrics (consumer lag, steps) on this port")
     train.add_argument("--model", default=None)
     _common(train)
     train.set_defaults(run=_train_drafter)
@@ -109,6 +111,23 @@ def _parser() -> argparse.ArgumentParser:
     _common(serve_bench)
     _engine_flags(serve_bench)
     serve_bench.set_defaults(run=_bench_serve)
+
+    adapt = bench_sub.add_parser("adapt", help="day-0 drafter learning on live traffic: acceptance and speed "
+                                               "over time, domain shift, objectives")
+    adapt.add_argument("--minutes", type=float, default=10.0, help="minutes of traffic per run")
+    adapt.add_argument("--objectives", default="kl", help="comma-separated: kl,kl_neg,pg (one run each)")
+    adapt.add_argument("--shift", action="store_true", help="also run the domain-shift experiment")
+    adapt.add_argument("--users", type=int, default=4)
+    adapt.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-adapt-<time>)")
+    _common(adapt)
+    adapt.add_argument("--model", default=None)
+    adapt.set_defaults(run=_bench_adapt)
+
+    kernels = bench_sub.add_parser("kernels", help="Triton kernels vs their torch twins (twins only on CPU)")
+    kernels.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-kernels-<time>)")
+    kernels.add_argument("--quick", action="store_true", help="small shapes only")
+    _common(kernels)
+    kernels.set_defaults(run=_bench_kernels)
     return parser
 
 
@@ -126,7 +145,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 FLAGS = ("home", "threads", "model", "drafter", "max_draft_tokens", "max_batch", "host", "port", "redis_url", "store",
          "deployment", "replica", "telemetry_content", "objective", "lr", "train_records", "publish_every_s",
-         "publish_every_steps", "consumer")
+         "publish_every_steps", "consumer", "trainer_metrics_port")
 
 
 def _settings(args: argparse.Namespace, **extra) -> Settings:
@@ -207,6 +226,22 @@ def _bench_engine(args: argparse.Namespace) -> int:
     settings = _settings(args)
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     run_engine_bench(settings, sizes, args.new_tokens, args.out)
+    return 0
+
+
+def _bench_adapt(args: argparse.Namespace) -> int:
+    from specrl.bench.adapt import run_adapt_bench
+
+    objectives = [o for o in args.objectives.split(",") if o]
+    run_adapt_bench(_settings(args), minutes=args.minutes, objectives=objectives, shift=args.shift,
+                    users=args.users, out_dir=args.out)
+    return 0
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from specrl.bench.kernels import run_kernel_bench
+
+    run_kernel_bench(_settings(args), quick=args.quick, out_dir=args.out)
     return 0
 
 

@@ -75,6 +75,8 @@ class Settings:
     canary_tokens: int = 200  # drafted tokens observed before judging a new drafter live
     canary_margin: float = 0.05  # rollback when its accept rate falls this far below the previous
     consumer: str = "trainer-0"
+    claim_idle_ms: int = 60_000  # another consumer's records idle this long are claimed (it died)
+    trainer_metrics_port: int = 0  # > 0: the trainer serves Prometheus metrics (consumer lag) here
     checkpoint_every_steps: int = 5
 
     @classmethod

@@ -26,6 +26,7 @@ import zlib
 from collections import deque
 from pathlib import Path
 
+import redis
 import torch
 
 from specrl.config import Settings
@@ -99,15 +100,28 @@ class DrafterTrainer:
         self.load_state()
 
     # ---- the loop ------------------------------------------------------------------------------
-    def run(self, should_stop, *, block_ms: int = 1000) -> None:
-        self.reader.ensure_group()
+    def run(self, should_stop, *, block_ms: int = 1000, on_step=None) -> None:
+        """Until should_stop(): Redis trouble (down, restarted without its data) is waited out
+        with backoff; the group is recreated and reading resumes from the pending list."""
+        backoff, need_group = 0.5, True
         while not should_stop():
-            self.run_once(block_ms)
+            try:
+                if need_group:
+                    self.reader.ensure_group()
+                    need_group = False
+                self.run_once(block_ms)
+                backoff = 0.5
+                if on_step is not None:
+                    on_step(self)
+            except redis.RedisError as exc:
+                log.warning("event=redis_error error=%r retry_in_s=%.1f", exc, backoff)
+                time.sleep(backoff)
+                backoff, need_group = min(2 * backoff, 10.0), True
 
     def run_once(self, block_ms: int = 1000) -> int:
         """Read one batch, train on it, maybe checkpoint+ack, evaluate and publish. -> records read."""
         entries = self.reader.read(self.settings.train_records, block_ms) or \
-            self.reader.claim_stale(min_idle_ms=60_000, count=self.settings.train_records)
+            self.reader.claim_stale(self.settings.claim_idle_ms, self.settings.train_records)
         batch = []
         for entry_id, record in entries:
             self.unacked.append(entry_id)

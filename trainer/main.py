@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 
 from specrl.assets import resolve_model
 from specrl.config import Settings
@@ -39,8 +40,33 @@ def train_drafter(settings: Settings) -> int:
     logging.getLogger("specrl.trainer").info(
         "event=start deployment=%s consumer=%s objective=%s serving_drafter=%s", settings.deployment,
         settings.consumer, settings.objective, trainer.serving_version)
-    trainer.run(lambda: bool(stopping))
+    trainer.run(lambda: bool(stopping), on_step=_metrics(settings.trainer_metrics_port))
     trainer.save_state()
     if trainer.unacked:
         trainer.reader.ack(trainer.unacked)
     return 0
+
+
+def _metrics(port: int):
+    """Export the trainer's progress and consumer lag on /metrics when a port is given."""
+    if port <= 0:
+        return None
+    from prometheus_client import Gauge, start_http_server
+
+    start_http_server(port, addr="127.0.0.1")
+    gauges = {name: Gauge(f"specrl_trainer_{name}", doc) for name, doc in (
+        ("consumer_lag", "Stream entries not yet delivered to the group"), ("steps", "Optimizer steps"),
+        ("records", "Records trained on"), ("skipped", "Records skipped (unloadable policy version)"),
+        ("orphans", "Segments whose earlier segments never arrived"), ("heldout", "Held-out examples kept"))}
+    last = [0.0]
+
+    def update(trainer: DrafterTrainer) -> None:
+        if time.monotonic() - last[0] < 2.0:
+            return
+        last[0] = time.monotonic()
+        gauges["consumer_lag"].set(trainer.reader.lag())
+        for name, value in (("steps", trainer.step), ("records", trainer.records), ("skipped", trainer.skipped),
+                            ("orphans", trainer.book.orphans), ("heldout", len(trainer.heldout))):
+            gauges[name].set(value)
+
+    return update

@@ -146,3 +146,74 @@ def test_canary_rolls_back_a_drafter_that_underperforms_live(home, tmp_path, dep
     finally:
         server.stop()
         redis.Redis.from_url(REDIS_URL).delete(server.stream)
+
+
+def test_a_dead_consumers_records_are_claimed(home, tmp_path, deployment, tiny_dir, tokenizer):
+    import time
+
+    fill_stream(home, deployment, tokenizer, n=8)
+    dead = make_trainer(home, tmp_path, deployment, tiny_dir, consumer="dead", checkpoint_every_steps=10 ** 6)
+    dead.run_once(block_ms=10)  # holds records, never acks: then "dies"
+    assert dead.unacked
+    survivor = make_trainer(home, tmp_path, deployment, tiny_dir, consumer="alive", claim_idle_ms=100)
+    drain(survivor)  # new records first
+    time.sleep(0.2)
+    drain(survivor)  # then the dead consumer's idle ones
+    assert redis.Redis.from_url(REDIS_URL).xpending(events_stream(deployment), GROUP)["pending"] == 0
+    assert survivor.records + len(survivor.heldout) >= 8 - survivor.book.orphans
+
+
+def test_trainer_survives_a_redis_restart(home, tmp_path, tiny_dir, tokenizer):
+    import shutil
+    import subprocess
+    import threading
+    import time
+
+    from tests.serving.conftest import free_port
+
+    port = free_port()
+    start = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
+    assert shutil.which("redis-server")
+    server = subprocess.Popen(start, stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        settings = Settings.load(home=home, model="tiny-random", deployment="restart", consumer="t0",
+                                 store=str(tmp_path / "store"), train_records=4, heldout_fraction=0.0,
+                                 publish_every_steps=10 ** 6, publish_every_s=10 ** 6)
+        trainer = DrafterTrainer(settings, tiny_dir, RecordReader(url, events_stream("restart"), GROUP, "t0"),
+                                 store=WeightsStore(settings.store_path), publisher=None, state_path=tmp_path / "t.pt")
+        stop = threading.Event()
+        worker = threading.Thread(target=trainer.run, args=(stop.is_set,), kwargs={"block_ms": 50})
+        worker.start()
+        record = SegmentRecord("a", 0, "base", "day0", prompt_ids=[1, 2, 3, 4, 5], tokens=[6, 7, 8, 9], finish_reason="stop")
+        redis.Redis.from_url(url).xadd(events_stream("restart"), {"r": record.to_msgpack()})
+        while trainer.records < 1:
+            time.sleep(0.05)
+        server.kill()  # Redis dies and comes back empty
+        server.wait()
+        time.sleep(0.5)
+        server = subprocess.Popen(start, stdout=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                redis.Redis.from_url(url).xadd(events_stream("restart"),
+                                               {"r": SegmentRecord("b", 0, "base", "day0", prompt_ids=[1, 2, 3], tokens=[4, 5, 6],
+                                                                   finish_reason="stop").to_msgpack()})
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while trainer.records < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stop.set()
+        worker.join(timeout=30)
+        assert trainer.records == 2 and not worker.is_alive()
+    finally:
+        server.kill()

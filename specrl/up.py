@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specrl.assets import resolve_model
 from specrl.config import Settings
-from specrl.errors import SpecrlError
+from specrl.launch import spawn, terminate, wait_healthy
 
 
 class Redis:
@@ -62,10 +62,10 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
     stop = threading.Event()
     samples: list[dict] = []
     try:
-        children.append(_spawn(["serve", *common, "--host", settings.host, "--port", str(settings.port)],
+        children.append(spawn(["serve", *common, "--host", settings.host, "--port", str(settings.port)],
                                env, run_dir / "server.log"))
-        _wait_healthy(url, children[0], run_dir / "server.log")
-        children.append(_spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30"], env,
+        wait_healthy(url, children[0], run_dir / "server.log")
+        children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30"], env,
                                run_dir / "trainer.log"))
         print(f"specrl up: serving {settings.model} at {url}  (logs: {run_dir})", file=sys.stderr)
         traffic = threading.Thread(target=_demo_traffic, args=(url, settings.model, users, stop), daemon=True)
@@ -91,36 +91,9 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
     finally:
         stop.set()
         for child in reversed(children):
-            _terminate(child)
+            terminate(child)
         redis.stop()
     return _report(run_dir, samples, settings)
-
-
-def _spawn(args: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "specrl.cli", *args], env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SpecrlError(f"the server exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise SpecrlError(f"the server did not become healthy in {timeout_s:.0f} s; see {log}")
-
-
-def _terminate(proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _demo_traffic(url: str, model: str, users: int, stop: threading.Event) -> None:

@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError, SpecrlError
+from specrl.launch import free_port, spawn, terminate, wait_healthy
 
 LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -122,46 +122,26 @@ class _Server:
     @classmethod
     def start(cls, settings: Settings, store: Path, out: Path, redis_url: str | None) -> "_Server":
         """`specrl serve` on a free loopback port, with an admin token; waits until /health answers."""
-        import httpx
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         deployment, token = f"bench-{secrets.token_hex(6)}", secrets.token_hex(16)
         log = out / f"serve-{'telemetry' if redis_url else 'no-telemetry'}-{port}.log"
-        cmd = [sys.executable, "-m", "specrl.cli", "serve", "--model", settings.model, "--home", str(settings.home),
-               "--host", "127.0.0.1", "--port", str(port), "--store", str(store), "--deployment", deployment,
-               "--drafter", settings.drafter, "--max-batch", str(settings.max_batch),
-               "--max-draft-tokens", str(settings.max_draft_tokens), "--threads", str(settings.threads)]
-        cmd += ["--redis-url", redis_url] if redis_url else []
+        args = ["serve", "--model", settings.model, "--home", str(settings.home), "--host", "127.0.0.1",
+                "--port", str(port), "--store", str(store), "--deployment", deployment, "--drafter", settings.drafter,
+                "--max-batch", str(settings.max_batch), "--max-draft-tokens", str(settings.max_draft_tokens),
+                "--threads", str(settings.threads)]
+        args += ["--redis-url", redis_url] if redis_url else []
         env = {**os.environ, "SPECRL_ADMIN_TOKEN": token}
         env.pop("SPECRL_REDIS_URL", None)  # telemetry off means off
         _progress(f"starting server redis={redis_url or 'off'} log={log}")
-        proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+        proc = spawn(args, env, log)
         server = cls(f"http://127.0.0.1:{port}", proc, log, token,
                      f"specrl:{deployment}:events" if redis_url else None, redis_url)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SpecrlError(f"the server exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(server.url + "/health", timeout=1).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        server.stop()
-        raise SpecrlError(f"the server did not answer /health within {START_TIMEOUT_S:.0f} s; see {log}")
+        wait_healthy(server.url, proc, log, START_TIMEOUT_S)
+        return server
 
     def stop(self, timeout: float = 60.0) -> dict:
         """SIGTERM, wait; delete its Redis stream. -> {exit_code, log, error_lines}."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         records = None
         if self.stream:
             import redis

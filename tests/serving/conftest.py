@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+
+from specrl.launch import free_port, spawn, terminate, wait_healthy
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 ADMIN_TOKEN = "test-admin-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -41,14 +33,7 @@ class LiveServer:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, timeout, sig)
 
 
 def start_server(home, tmp_path, *args: str, env: dict | None = None, admin: bool = True) -> LiveServer:
@@ -58,22 +43,11 @@ def start_server(home, tmp_path, *args: str, env: dict | None = None, admin: boo
     full_env = {**os.environ, "SPECRL_HOME": str(home), "SPECRL_THREADS": "1", **(env or {})}
     if admin:
         full_env["SPECRL_ADMIN_TOKEN"] = ADMIN_TOKEN
-    cmd = [sys.executable, "-m", "specrl.cli", "serve", "--model", "tiny-random", "--port", str(port),
-           "--store", str(store), "--deployment", deployment, *args]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=full_env)
-    server = LiveServer(f"http://127.0.0.1:{port}", proc, store, deployment, log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop(signal.SIGKILL)
-    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+    args = ["serve", "--model", "tiny-random", "--port", str(port), "--store", str(store), "--deployment", deployment,
+            *args]
+    server = LiveServer(f"http://127.0.0.1:{port}", spawn(args, full_env, log), store, deployment, log)
+    wait_healthy(server.url, server.proc, log, timeout_s=120)
+    return server
 
 
 @pytest.fixture(scope="module")

@@ -169,7 +169,7 @@ def test_trainer_survives_a_redis_restart(home, tmp_path, tiny_dir, tokenizer):
     import threading
     import time
 
-    from tests.serving.conftest import free_port
+    from specrl.launch import free_port
 
     port = free_port()
     start = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]

@@ -1,0 +1,53 @@
+"""Child processes of specrl commands (`specrl up`, benchmarks, tests): spawn `specrl <command>`
+on a loopback port, wait until it answers /health, stop it with SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from specrl.errors import SpecrlError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """Run `specrl <args>` with its output (stdout and stderr) in `log`."""
+    return subprocess.Popen([sys.executable, "-m", "specrl.cli", *args], env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    """Block until `url`/health answers 200; SpecrlError naming the log if the process dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SpecrlError(f"the server exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    terminate(proc)
+    raise SpecrlError(f"the server did not answer /health within {timeout_s:.0f} s; see {log}")
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 60, sig: int = signal.SIGTERM) -> int:
+    """Signal, wait up to `timeout_s`, then kill. -> the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -88,7 +88,8 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
         body.check_supported()
         prompts = _completion_prompts(body.prompt, engine.tokenizer)
         streams = [ChoiceStream(engine.tokenizer, i * body.n + j, p, body.sampling(body.max_tokens, body.logprobs, j),
-                                chat=False) for i, p in enumerate(prompts) for j in range(body.n)]
+                                chat=False, return_token_ids=body.return_token_ids)
+                   for i, p in enumerate(prompts) for j in range(body.n)]
         return await _respond(body, streams, "text_completion", request)
 
     @app.post("/v1/chat/completions")
@@ -100,8 +101,8 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
                                                            return_dict=False))
         max_tokens = body.max_completion_tokens or body.max_tokens or settings.max_seq_len - len(prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        streams = [ChoiceStream(engine.tokenizer, j, prompt, body.sampling(max_tokens, logprobs, j), chat=True)
-                   for j in range(body.n)]
+        streams = [ChoiceStream(engine.tokenizer, j, prompt, body.sampling(max_tokens, logprobs, j), chat=True,
+                                return_token_ids=body.return_token_ids) for j in range(body.n)]
         return await _respond(body, streams, "chat.completion", request)
 
     async def _respond(body, streams: list[ChoiceStream], kind: str, request: Request):

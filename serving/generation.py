@@ -11,8 +11,10 @@ from specrl.spec.sampling import SamplingParams
 
 
 class ChoiceStream:
-    def __init__(self, tokenizer, index: int, prompt_ids: list[int], params: SamplingParams, *, chat: bool):
+    def __init__(self, tokenizer, index: int, prompt_ids: list[int], params: SamplingParams, *, chat: bool,
+                 return_token_ids: bool = False):
         self.tokenizer, self.index, self.prompt_ids, self.params, self.chat = tokenizer, index, prompt_ids, params, chat
+        self.return_token_ids = return_token_ids
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -62,10 +64,11 @@ class ChoiceStream:
 
     def final_choice(self) -> dict:
         logprobs = self._logprobs_payload(self.logprobs) if self.params.logprobs is not None else None
-        if self.chat:
-            return {"index": self.index, "message": {"role": "assistant", "content": self.text},
-                    "logprobs": logprobs, "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        choice = {"index": self.index, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        choice.update({"message": {"role": "assistant", "content": self.text}} if self.chat else {"text": self.text})
+        if self.return_token_ids:
+            choice.update(prompt_token_ids=self.prompt_ids, token_ids=self.token_ids)
+        return choice
 
     # spec-decode stats of this choice, from the engine's sequence
     @property

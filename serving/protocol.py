@@ -37,6 +37,8 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    # vLLM-style extension: also return prompt and completion token ids per choice (RL rollouts)
+    return_token_ids: bool = False
     metadata: dict | None = None
     store: bool | None = None
 

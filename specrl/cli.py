@@ -62,6 +62,25 @@ def _parser() -> argparse.ArgumentParser:
     _common(up)
     up.set_defaults(run=_up)
 
+    rl = sub.add_parser("rl", help="the policy RL loop: server + rollouts + GRPO + drafter trainer; writes a report")
+    rl.add_argument("--env", required=True, choices=["arithmetic", "code", "format"])
+    rl.add_argument("--minutes", type=float, default=30.0)
+    rl.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
+    rl.add_argument("--tasks-per-step", type=int, default=4)
+    rl.add_argument("--publish-every", type=int, default=2, help="GRPO steps per published policy")
+    rl.add_argument("--eval-every", type=int, default=4)
+    rl.add_argument("--eval-tasks", type=int, default=24)
+    rl.add_argument("--max-tokens", type=int, default=64)
+    rl.add_argument("--policy-lr", type=float, default=2e-6)
+    rl.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
+    rl.add_argument("--redis-url", default=None)
+    rl.add_argument("--port", type=int, default=None)
+    rl.add_argument("--model", default=None)
+    rl.add_argument("--deployment", default=None)
+    rl.add_argument("--out", default=None)
+    _common(rl)
+    rl.set_defaults(run=_rl)
+
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with speculative decoding")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
@@ -204,6 +223,20 @@ def _up(args: argparse.Namespace) -> int:
     args.redis_url = args.redis_url or os.environ.get("REDIS_URL") or None
     settings = _settings(args)
     run_up(settings, demo=args.demo, duration_s=args.duration, users=args.users)
+    return 0
+
+
+def _rl(args: argparse.Namespace) -> int:
+    import os
+
+    from specrl.trainer.grpo import GRPOConfig
+    from specrl.trainer.rl import run_rl
+
+    args.redis_url = args.redis_url or os.environ.get("REDIS_URL") or None
+    run_rl(_settings(args), env_name=args.env, minutes=args.minutes, group_size=args.group_size,
+           tasks_per_step=args.tasks_per_step, publish_every=args.publish_every, eval_every=args.eval_every,
+           eval_tasks=args.eval_tasks, max_tokens=args.max_tokens,
+           config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag), out_dir=args.out)
     return 0
 
 

@@ -77,11 +77,11 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
         previous = None
         while not stop.is_set() and (duration_s <= 0 or time.monotonic() - started < duration_s):
             stop.wait(interval_s)
-            sample = _sample(url, started)
+            sample = sample_metrics(url, started)
             if sample is None:
                 continue
             if previous is not None:
-                sample.update(_rates(previous, sample))
+                sample.update(rates(previous, sample))
                 samples.append(sample)
                 print(_status_line(sample), file=sys.stderr, flush=True)
             previous = sample
@@ -126,7 +126,7 @@ METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_
            "specrl_verify_steps_total": "steps"}
 
 
-def _sample(url: str, started: float) -> dict | None:
+def sample_metrics(url: str, started: float) -> dict | None:
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
             text = resp.read().decode()
@@ -146,7 +146,7 @@ def _sample(url: str, started: float) -> dict | None:
     return sample
 
 
-def _rates(before: dict, after: dict) -> dict:
+def rates(before: dict, after: dict) -> dict:
     dt = max(after["t"] - before["t"], 1e-9)
     steps = after.get("steps", 0) - before.get("steps", 0)
     accepted = after.get("accepted", 0) - before.get("accepted", 0)

@@ -206,6 +206,18 @@ class Llama(nn.Module):
                     offset += value.shape[0]
 
 
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """This model's weights under HF Llama names (the inverse of `load_hf_state`)."""
+        cfg, params = self.cfg, dict(self.named_parameters(remove_duplicate=True))
+        qkv_rows = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        out = {}
+        for name, parts in hf_layout(cfg).items():
+            rows = qkv_rows if name.endswith(".qkv") else [params[name].shape[0] // len(parts)] * len(parts)
+            for part, value in zip(parts, params[name].detach().split(rows)):
+                out[part] = value.contiguous()
+        return out
+
+
 class TensorSource:
     """HF tensors by name, from a dict or lazily from safetensors files (shape without loading)."""
 

@@ -71,3 +71,14 @@ def test_tied_head_shares_the_embedding(tiny_dir):
     model = load_llama(tiny_dir)
     assert isinstance(model, Llama) and model.cfg.tie_word_embeddings
     assert model.lm_head.data_ptr() == model.embed.data_ptr()
+
+
+def test_hf_state_roundtrips(tiny_dir):
+    from safetensors.torch import load_file
+
+    model = load_llama(tiny_dir)
+    original = load_file(str(tiny_dir / "model.safetensors"))
+    exported = model.hf_state()
+    assert set(exported) == {k for k in original if k != "lm_head.weight"}
+    for name, value in exported.items():
+        assert torch.equal(value, original[name]), name

@@ -121,7 +121,7 @@ def _sentences(*parts: str) -> str:
     return text[0].upper() + text[1:]
 
 
-def _heldout_topics(topics: Sequence[str]) -> set[str]:
+def heldout_topics(topics: Sequence[str]) -> set[str]:
     """The held-out rule: the HELDOUT_FRACTION of a list's topics that sort first by crc32."""
     n = max(1, round(HELDOUT_FRACTION * len(topics)))
     return set(sorted(topics, key=lambda t: (zlib.crc32(t.encode()), t))[:n])
@@ -141,7 +141,7 @@ def _generate(domain: str, seed: int) -> tuple[Prompt, ...]:
     prompts: list[Prompt] = []
     seen: set[str] = set()
     for group in _groups(domain):
-        heldout = _heldout_topics(group.topics)
+        heldout = heldout_topics(group.topics)
         for topic in group.topics:
             rng = random.Random(f"{seed}/{domain}/{topic}")
             made = 0

@@ -1,0 +1,37 @@
+"""A short `specrl rl` loop on the tiny model: versions advance, swaps happen, nothing fails."""
+
+import uuid
+
+import pytest
+import redis
+
+from specrl.config import Settings
+from specrl.launch import free_port
+from specrl.trainer.grpo import GRPOConfig
+from specrl.trainer.rl import run_rl
+from tests.serving.conftest import REDIS_URL
+
+pytestmark = pytest.mark.redis
+
+
+def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
+    deployment = f"test-rl-{uuid.uuid4().hex[:8]}"
+    settings = Settings.load(home=home, model="tiny-random", deployment=deployment, redis_url=REDIS_URL,
+                             port=free_port(), store=str(tmp_path / "store"))
+    try:
+        report = run_rl(settings, env_name="arithmetic", minutes=0.5, group_size=3, tasks_per_step=2,
+                        publish_every=1, eval_every=2, eval_tasks=4, max_tokens=8,
+                        config=GRPOConfig(lr=1e-4, max_lag=1), out_dir=str(tmp_path / "run"))
+    finally:
+        redis.Redis.from_url(REDIS_URL).delete(f"specrl:{deployment}:events", f"specrl:{deployment}:events:dead")
+    published = [p["version"] for p in report["publishes"] if "version" in p]
+    assert report["steps"] and len(report["evals"]) >= 2
+    # a policy is published whenever a step trained on something; each was swapped in (interrupt)
+    assert len(published) == sum(1 for s in report["steps"] if s["trained"])
+    assert all(p["swap_ms"] >= 0 for p in report["publishes"] if "version" in p)
+    if published:
+        assert report["evals"][-1]["policy"] == published[-1]
+    assert all(0.0 <= e["reward"] <= 1.0 for e in report["evals"])
+    logs = (tmp_path / "run" / "server.log").read_text() + (tmp_path / "run" / "drafter-trainer.log").read_text()
+    assert "Traceback" not in logs
+    assert (tmp_path / "run" / "rl-report.png").read_bytes()[:4] == b"\x89PNG"

@@ -108,8 +108,14 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
     async def _respond(body, streams: list[ChoiceStream], kind: str, request: Request):
         rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
         arrival = time.perf_counter()
-        for choice in streams:  # validation errors surface here, before any response starts
-            choice.submit(loop, f"{rid}-{choice.index}")
+        try:  # validation and saturation errors surface here, before any response starts
+            for choice in streams:
+                choice.submit(loop, f"{rid}-{choice.index}")
+        except SpecrlError:
+            for choice in streams:  # do not leave the choices already queued running for nobody
+                if choice.seq is not None:
+                    loop.abort(choice.request_id)
+            raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(rid, kind, streams, include_usage, arrival), media_type="text/event-stream")
@@ -120,13 +126,12 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
     def _final_body(rid: str, kind: str, streams: list[ChoiceStream]) -> dict:
         prompt_tokens = sum({id(s.prompt_ids): len(s.prompt_ids) for s in streams}.values())
         completion_tokens = sum(len(s.token_ids) for s in streams)
-        last = streams[-1]
+        last, stats = streams[-1], _spec_stats(streams)
         return {"id": rid, "object": kind, "created": now(), "model": settings.model,
                 "system_fingerprint": fingerprint(last.target_version, last.drafter_version),
                 "choices": [s.final_choice() for s in streams],
                 "usage": usage(prompt_tokens, completion_tokens),
-                "specrl": _spec_stats(streams),
-                "metrics": {"speculative_decoding": _spec_stats(streams)["spec_decode"]}}
+                "specrl": stats, "metrics": {"speculative_decoding": stats["spec_decode"]}}
 
     async def _sse(rid, kind, streams, include_usage, arrival):
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"

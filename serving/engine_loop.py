@@ -69,6 +69,12 @@ class EngineLoop:
                 self.engine.abort(request_id)
                 self._wake.set()
 
+    def abort(self, request_id: str) -> None:
+        """Stop a request nobody will read (any thread)."""
+        self._queues.pop(request_id, None)
+        self.engine.abort(request_id)
+        self._wake.set()
+
     def wake(self) -> None:
         self._wake.set()
 

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specrl.assets import resolve_model
@@ -42,6 +43,8 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
            config: GRPOConfig | None = None, out_dir: str | None = None) -> dict:
     run_dir = Path(out_dir) if out_dir else settings.home / "runs" / time.strftime(f"rl-{env_name}-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
     env = make_env(env_name)
     model_dir = resolve_model(settings.model, settings.home)
     store = WeightsStore(settings.store_path)
@@ -132,10 +135,12 @@ def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, re
 
 def _evaluate(env, client: RolloutClient, tasks: list, version: str, started: float) -> dict:
     """Greedy answers of the serving policy on held-out tasks -> mean reward with a 95% CI."""
-    rewards = []
-    for task in tasks:
+    def reward(task) -> float:
         data = client.complete(task_messages(task), n=1, temperature=0.0)
-        rewards.append(safe_score(env, task, data["choices"][0]["message"]["content"], timeout_s=10.0).reward)
+        return safe_score(env, task, data["choices"][0]["message"]["content"], timeout_s=10.0).reward
+
+    with ThreadPoolExecutor(8) as pool:  # concurrent requests: the server batches them
+        rewards = list(pool.map(reward, tasks))
     mean, ci = mean_and_ci(rewards)
     log.info("event=eval policy=%s reward=%.3f ci95=%.3f n=%d", version, mean, ci, len(rewards))
     return {"t": round(time.monotonic() - started, 1), "policy": version, "reward": mean, "ci95": ci,

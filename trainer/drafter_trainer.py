@@ -88,7 +88,7 @@ class DrafterTrainer:
         self.serving.retarget(base)
         self.optimizer = torch.optim.AdamW([p for p in self.drafter.parameters() if p.requires_grad], lr=settings.lr)
         self.book = ContextBook()
-        self.heldout: deque[Example] = deque(maxlen=64)
+        self.heldout: deque[tuple[Example, torch.Tensor]] = deque(maxlen=32)  # with target features, computed once
         self.canary = Canary(settings.canary_tokens, settings.canary_margin)
         self.state_path = state_path
         self.step = self.records = self.skipped = 0
@@ -138,8 +138,10 @@ class DrafterTrainer:
                 self.skipped += 1
                 continue
             self.target_version = max(self.target_version, record.target_version, key=self._version_order)
-            heldout = zlib.crc32(record.request_id.encode()) % 1000 < self.settings.heldout_fraction * 1000
-            (self.heldout if heldout else batch).append(example)
+            if zlib.crc32(record.request_id.encode()) % 1000 < self.settings.heldout_fraction * 1000:
+                self._hold_out(example)
+            else:
+                batch.append(example)
         if batch:
             self.train(batch)
         if self.unacked and (not batch or self.step % self.settings.checkpoint_every_steps == 0):
@@ -154,13 +156,10 @@ class DrafterTrainer:
         """One optimizer step on the examples' drafter positions."""
         self.drafter.train()
         losses, weights = [], []
-        budget = self.settings.train_positions
+        share = max(1, self.settings.train_positions // len(batch))  # every example gets its share of positions
         for example in batch:
-            positions = list(example.positions)[-budget:] if budget > 0 else []
-            if not positions:
-                continue
-            budget -= len(positions)
-            loss = self._example_loss(example, positions)
+            positions = list(example.positions)[-share:]
+            loss = self._example_loss(example, positions) if positions else None
             if loss is not None:
                 losses.append(loss)
                 weights.append(1.0 if example.target_version == self.target_version else STALE_WEIGHT)
@@ -172,7 +171,7 @@ class DrafterTrainer:
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.optimizer.step()
         self.step += 1
-        self.records += len(batch)
+        self.records += len(losses)
         return float(total.detach())
 
     def _example_loss(self, example: Example, positions: list[int]) -> torch.Tensor | None:
@@ -205,15 +204,17 @@ class DrafterTrainer:
         return full.index_copy(1, self.drafter.draft_to_target, logits)
 
     # ---- evaluate, publish, canary -------------------------------------------------------------
+    def _hold_out(self, example: Example) -> None:
+        if example.start < len(example.tokens) - 1:
+            feats = self.targets.features(example.target_version, example.tokens)
+            if feats is not None:
+                self.heldout.append((example, feats[0]))
+
     def evaluate(self, drafter: EagleDrafter) -> float | None:
         """Mean tokens per verify step (exact greedy, k = eval_k) over the held-out examples."""
         drafter.eval()
-        taus = []
-        for example in self.heldout:
-            feats = self.targets.features(example.target_version, example.tokens)
-            if feats is not None and example.start < len(example.tokens) - 1:
-                taus.append(simulate_greedy(drafter, feats[0], torch.tensor(example.tokens), example.start,
-                                            self.settings.eval_k).tau)
+        taus = [simulate_greedy(drafter, features, torch.tensor(example.tokens), example.start, self.settings.eval_k).tau
+                for example, features in self.heldout]
         return sum(taus) / len(taus) if taus else None
 
     def maybe_publish(self) -> str | None:
@@ -221,8 +222,8 @@ class DrafterTrainer:
                or time.monotonic() - self._last_eval >= self.settings.publish_every_s)
         if not due or self.step == self._last_eval_step or not self.heldout:
             return None
-        self._last_eval, self._last_eval_step = time.monotonic(), self.step
         candidate, serving = self.evaluate(self.drafter), self.evaluate(self.serving)
+        self._last_eval, self._last_eval_step = time.monotonic(), self.step  # after: evaluation time is not training time
         entry = {"time": time.time(), "step": self.step, "records": self.records, "candidate_tau": candidate,
                  "serving_tau": serving, "serving_version": self.serving_version, "published": None}
         self.history.append(entry)

@@ -66,7 +66,7 @@ def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int
     stamp = time.strftime("%Y%m%d-%H%M%S")
     model_dir = resolve_model(settings.model, settings.home)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes))
-    plain, spec = _native_engines(settings)
+    plain, spec = native_engines(settings)
     prompts = chat_prompts(spec.tokenizer, max(batch_sizes))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rows = []
@@ -88,7 +88,7 @@ def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int
     return result
 
 
-def _native_engines(settings: Settings):
+def native_engines(settings: Settings):
     """-> (plain, speculative) engines over one shared target. The speculative one uses the
     configured drafter directory, else the untrained day-0 head."""
     from specrl.serving.engine import Engine

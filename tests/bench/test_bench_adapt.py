@@ -1,0 +1,70 @@
+"""`specrl bench adapt` on the tiny model: a real server and trainer on the shared Redis, a short
+run; the report's structure, finite numbers, start and end checkpoints, the chart, the cleanup."""
+
+import json
+import math
+
+import matplotlib.image
+import pytest
+import redis
+
+from specrl.bench.adapt import FIXED_K, PROMPTS, run_adapt_bench
+from specrl.config import Settings
+from specrl.telemetry import events_stream
+
+pytestmark = pytest.mark.redis
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_bench_adapt_tiny(tmp_path, capsys):
+    settings = Settings.load(model="tiny-random", redis_url=REDIS_URL)
+    result = run_adapt_bench(settings, minutes=0.3, objectives=["kl"], shift=False, users=2, out_dir=str(tmp_path))
+
+    report = json.loads((tmp_path / "bench-adapt.json").read_text())
+    assert report["model"] == "tiny-random" and report["objectives"] == ["kl"] and report["command"]
+    assert report["measurement"]["fixed_k"] == FIXED_K and report["measurement"]["prompts"] == PROMPTS
+    [run] = report["runs"]
+    assert run["objective"] == "kl" and run["traffic"]["requests"] > 0 and run["traffic"]["failures"] == 0
+    labels = [c["label"] for c in run["checkpoints"]]
+    assert labels[0] == "start" and labels[-1] == "end"
+    start, end = run["checkpoints"][0], run["checkpoints"][-1]
+    assert start["traffic_s"] == 0 and start["drafters"]["online"]["version"] == "day0"
+    assert 0 < end["traffic_s"] <= 0.3 * 60 + 60 and end["traffic_tokens"] > 0
+    for c in run["checkpoints"]:
+        plain, online = c["plain"]["b1"], c["drafters"]["online"]
+        assert finite(plain["tokens_per_s"]) and plain["tokens_per_s"] > 0
+        assert finite(online["b1"]["tokens_per_s"]) and finite(online["ratio_b1"])
+        assert online["ratio_b1"] == pytest.approx(online["b1"]["tokens_per_s"] / plain["tokens_per_s"])
+        assert 1.0 <= online["acceptance_length_k4"] <= FIXED_K + 1
+        assert 0.0 <= online["b1"]["same_output"] <= 1.0
+    for c in (start, end):  # batch 4 at the first and last checkpoint
+        assert finite(c["drafters"]["online"]["ratio_b4"]) and finite(c["plain"]["b4"]["tokens_per_s"])
+
+    throughput, lag = run["throughput"], run["lag"]
+    assert throughput["stream_records"] > 0 and finite(throughput["stream_records_per_s"])
+    assert finite(throughput["trained_records_per_s"]) and throughput["trained_records_per_s"] >= 0
+    assert lag["records"] == throughput["stream_records"]
+    assert lag["in_a_publish"] + lag["not_yet_published"] == lag["records"]
+    if lag["in_a_publish"]:
+        assert 0 <= lag["min_s"] <= lag["median_s"] <= lag["p90_s"]
+    for publish in run["publishes"]:
+        assert publish["version"] in {m["version"] for m in run["manifests"]}
+    assert result["summary"]["kl"]["ratio_b1"] == [start["drafters"]["online"]["ratio_b1"],
+                                                   end["drafters"]["online"]["ratio_b1"]]
+
+    client = redis.Redis.from_url(REDIS_URL)  # the run's stream is gone from the shared Redis
+    assert not client.exists(events_stream(run["deployment"]))
+    assert not (settings.home / "trainer" / run["deployment"]).exists()
+
+    png = tmp_path / "bench-adapt.png"
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert height > 100 and width > 100
+    out = capsys.readouterr().out
+    assert "acc.k4" in out and str(tmp_path / "bench-adapt.json") in out

@@ -1,4 +1,5 @@
-"""Rejection sampling (kernels/verify.py): statistical tests for sampled rows, exactness for greedy rows.
+"""Rejection sampling, the dispatch and its torch twin (kernels/verify.py): statistical tests for
+sampled rows, exactness for greedy rows, ragged draft lengths.
 
 Statistical tests use fixed seeds and a chi-square goodness-of-fit test; a test fails when the
 p-value falls below ALPHA = 1e-3 (bins with expected count < 5 are pooled). Seeded, so the
@@ -12,95 +13,19 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from specrl.kernels import inverse_cdf_sample, rejection_sample
+from specrl.kernels import inverse_cdf_sample, rejection_sample, rejection_sample_rowwise, rejection_sample_torch
+from tests.kernels.conftest import (CASES, V, accept_probs, accepted_law, assert_follows, greedy_batch, make_case,
+                                    mixed_batch, normalise, trial_inputs)
 
-ALPHA = 1e-3
 TRIALS = 20_000
-V = 7
-
-
-def assert_follows(samples: torch.Tensor, probs: torch.Tensor, what: str = "") -> None:
-    """samples [N] int64 follow the (possibly unnormalised) distribution probs [V] (chi-square,
-    p-value > ALPHA); tokens with zero probability never appear."""
-    assert samples.numel() > 0, what
-    p = probs.double().numpy()
-    p = p / p.sum()
-    counts = np.bincount(samples.numpy(), minlength=len(p))
-    assert len(counts) == len(p), f"{what}: out-of-range ids {samples.max()}"
-    assert counts[p == 0].sum() == 0, f"{what}: emitted a zero-probability token: {counts} vs {p}"
-    obs, exp = counts[p > 0].astype(float), samples.numel() * p[p > 0]
-    if len(obs) < 2:
-        return
-    small = exp < 5
-    if small.any():  # pool rare bins so the chi-square approximation holds
-        obs = np.append(obs[~small], obs[small].sum())
-        exp = np.append(exp[~small], exp[small].sum())
-    pvalue = chisquare(obs, exp).pvalue
-    assert pvalue > ALPHA, f"{what}: chi-square p={pvalue:.2e}, counts {obs} vs expected {exp.round(1)}"
-
-
-def _dirichlet(n: int, v: int, g: torch.Generator, alpha: float = 2.0) -> torch.Tensor:
-    x = torch._standard_gamma(torch.full((n, v), alpha, dtype=torch.float64), generator=g)
-    return x / x.sum(-1, keepdim=True)
-
-
-def _norm(x: torch.Tensor) -> torch.Tensor:
-    return (x / x.sum(-1, keepdim=True)).float()
-
-
-def make_case(case: str, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> target p [K+1, V] float32, draft q [K, V] float32."""
-    g = torch.Generator().manual_seed(seed)
-    p = _dirichlet(k + 1, V, g)
-    q = _dirichlet(k, V, g)
-    if case == "random":
-        pass
-    elif case == "q_mass_where_p_has_none":  # p never emits tokens 0, 1; q likes them
-        p[:, :2] = 0
-        q[:, :2] += 0.5
-    elif case == "q_misses_p_support":  # q never drafts tokens 5, 6; only the residual can emit them
-        q[:, 5:] = 0
-        p[:, 5:] += 0.3
-    elif case == "q_equals_p":
-        q = p[:k].clone()
-    elif case == "disjoint":  # nothing can be accepted
-        p[:, :3] = 0
-        q[:, 3:] = 0
-    else:
-        raise AssertionError(case)
-    return _norm(p), _norm(q)
 
 
 def run_trials(p: torch.Tensor, q: torch.Tensor, n: int = TRIALS, seed: int = 1, greedy: bool = False):
     """n independent verification steps sharing p and q: drafts d_i ~ q_i, seeded uniforms."""
-    k = q.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=g) for i in range(k)], 1) \
-        if k else torch.zeros(n, 0, dtype=torch.long)
-    uniforms = torch.rand(n, k + 1, generator=g)
-    accepted, emitted = rejection_sample(drafts, q.expand(n, k, V).contiguous(), p.expand(n, k + 1, V).contiguous(),
-                                         uniforms, torch.full((n,), greedy))
+    drafts, qs, ps, uniforms = trial_inputs(p, q, n, seed)
+    accepted, emitted = rejection_sample(drafts, qs, ps, uniforms, torch.full((n,), greedy))
     return drafts, accepted, emitted
-
-
-def accept_probs(p: torch.Tensor, q: torch.Tensor) -> list[float]:
-    """Per-position acceptance alpha_i = sum_x min(p_i(x), q_i(x)) = 1 - TV(p_i, q_i)."""
-    return [float(torch.minimum(p[i].double(), q[i].double()).sum()) for i in range(q.shape[0])]
-
-
-def accepted_law(alphas: list[float]) -> np.ndarray:
-    """P(accepted = j), j = 0..K: the first j positions accepted, position j+1 rejected (or j = K)."""
-    law, prefix = [], 1.0
-    for a in alphas:
-        law.append(prefix * (1 - a))
-        prefix *= a
-    law.append(prefix)
-    return np.array(law)
-
-
-CASES = ["random", "q_mass_where_p_has_none", "q_misses_p_support", "q_equals_p", "disjoint"]
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -162,48 +87,13 @@ def test_layout_of_emitted(case):
     assert bool((p[accepted, last] > 0).all())
 
 
-def _reference(drafts, q, p, u, greedy):
-    """Row-by-row transcription of the rule in the module docstring."""
-    bsz, k = drafts.shape
-    acc_out, emit_out = [], torch.full((bsz, k + 1), -1, dtype=torch.long)
-    for b in range(bsz):
-        acc = 0
-        for i in range(k):
-            d = int(drafts[b, i])
-            ok = (d == int(p[b, i].argmax())) if greedy[b] else bool(u[b, i] * q[b, i, d] < p[b, i, d])
-            if not ok:
-                break
-            acc += 1
-        emit_out[b, :acc] = drafts[b, :acc]
-        if greedy[b]:
-            last = int(p[b, acc].argmax())
-        else:
-            dist = p[b, acc]
-            if acc < k:
-                residual = (p[b, acc] - q[b, acc]).clamp(min=0)
-                if residual.sum() > 0:
-                    dist = residual
-            last = int(inverse_cdf_sample(dist[None], u[b, k][None])[0])
-        emit_out[b, acc] = last
-        acc_out.append(acc)
-    return torch.tensor(acc_out), emit_out
-
-
 def test_matches_row_by_row_reference():
-    g = torch.Generator().manual_seed(5)
-    bsz, k, v = 96, 4, 10
-    p = _norm(_dirichlet(bsz * (k + 1), v, g, alpha=0.7).view(bsz, k + 1, v))
-    q = _norm(_dirichlet(bsz * k, v, g, alpha=0.7).view(bsz, k, v))
-    q[::3] = p[::3, :k]  # some rows draft from the target itself (high acceptance)
-    drafts = torch.multinomial(q.view(-1, v), 1, generator=g).view(bsz, k)
-    drafts[1::4, :2] = p[1::4, :2].argmax(-1)  # some greedy rows get a matching prefix
-    u = torch.rand(bsz, k + 1, generator=g)
-    greedy = torch.rand(bsz, generator=g) < 0.3
+    drafts, q, p, u, greedy, _ = mixed_batch(96, 4, 10, seed=5, ragged=False)
     accepted, emitted = rejection_sample(drafts, q, p, u, greedy)
-    ref_acc, ref_emit = _reference(drafts, q, p, u, greedy)
+    ref_acc, ref_emit = rejection_sample_rowwise(drafts, q, p, u, greedy)
     assert torch.equal(accepted, ref_acc)
     assert torch.equal(emitted, ref_emit)
-    assert int(accepted.max()) == k and int(accepted.min()) == 0  # the test covers both ends
+    assert int(accepted.max()) == 4 and int(accepted.min()) == 0  # the test covers both ends
 
 
 def test_acceptance_threshold_is_p_over_q():
@@ -220,32 +110,13 @@ def test_acceptance_threshold_is_p_over_q():
 
 # ---- greedy ------------------------------------------------------------------------------------
 
-def _greedy_batch(bsz: int, k: int, v: int, seed: int):
-    """Random targets and drafts whose first mismatch with argmax is at a chosen position m (m = K: none)."""
-    g = torch.Generator().manual_seed(seed)
-    p = torch.softmax(torch.randn(bsz, k + 1, v, generator=g) * 3, -1)
-    top = p.argmax(-1)
-    mismatch = torch.arange(bsz) % (k + 1)
-    drafts = torch.randint(0, v, (bsz, k), generator=g)
-    for b in range(bsz):
-        m = int(mismatch[b])
-        drafts[b, :m] = top[b, :m]
-        if m < k:
-            drafts[b, m] = (top[b, m] + 1 + torch.randint(0, v - 1, (1,), generator=g)) % v  # != argmax
-    expected = torch.full((bsz, k + 1), -1, dtype=torch.long)
-    for b in range(bsz):
-        m = int(mismatch[b])
-        expected[b, :m + 1] = top[b, :m + 1]
-    return p, drafts, mismatch, expected
-
-
 @pytest.mark.parametrize("with_draft_probs", [False, True])
 def test_greedy_rows_reproduce_greedy_decoding(with_draft_probs):
     bsz, k, v = 40, 4, 9
-    p, drafts, mismatch, expected = _greedy_batch(bsz, k, v, seed=7)
+    p, drafts, mismatch, expected = greedy_batch(bsz, k, v, seed=7)
     g = torch.Generator().manual_seed(8)
     # Greedy rows must ignore the draft distributions and the uniforms entirely.
-    q = _norm(torch.rand(bsz, k, v, generator=g).double()) if with_draft_probs else None
+    q = normalise(torch.rand(bsz, k, v, generator=g).double()) if with_draft_probs else None
     u = torch.rand(bsz, k + 1, generator=g)
     accepted, emitted = rejection_sample(drafts, q, p, u, torch.ones(bsz, dtype=torch.bool))
     assert torch.equal(accepted, mismatch)
@@ -254,9 +125,9 @@ def test_greedy_rows_reproduce_greedy_decoding(with_draft_probs):
 
 def test_mixed_batch_greedy_rows_exact_and_sampled_rows_unaffected():
     bsz, k, v = 40, 3, 9
-    p, drafts, mismatch, expected = _greedy_batch(bsz, k, v, seed=11)
+    p, drafts, mismatch, expected = greedy_batch(bsz, k, v, seed=11)
     g = torch.Generator().manual_seed(12)
-    q = _norm(torch.rand(bsz, k, v, generator=g).double())
+    q = normalise(torch.rand(bsz, k, v, generator=g).double())
     u = torch.rand(bsz, k + 1, generator=g)
     greedy = torch.arange(bsz) % 2 == 0
     accepted, emitted = rejection_sample(drafts, q, p, u, greedy)
@@ -270,11 +141,11 @@ def test_mixed_batch_greedy_rows_exact_and_sampled_rows_unaffected():
 
 def test_all_greedy_without_draft_probs_matches_with_them():
     bsz, k, v = 30, 3, 8
-    p, drafts, mismatch, expected = _greedy_batch(bsz, k, v, seed=13)
+    p, drafts, mismatch, expected = greedy_batch(bsz, k, v, seed=13)
     u = torch.rand(bsz, k + 1)
     greedy = torch.ones(bsz, dtype=torch.bool)
     a0, e0 = rejection_sample(drafts, None, p, u, greedy)
-    a1, e1 = rejection_sample(drafts, _norm(torch.rand(bsz, k, v).double()), p, u, greedy)
+    a1, e1 = rejection_sample(drafts, normalise(torch.rand(bsz, k, v).double()), p, u, greedy)
     assert torch.equal(a0, mismatch) and torch.equal(e0, expected)
     assert torch.equal(a0, a1) and torch.equal(e0, e1)
 
@@ -352,3 +223,58 @@ def test_inverse_cdf_keeps_leading_dimensions():
     ids = inverse_cdf_sample(probs, u)
     assert ids.shape == (4, 5)
     assert torch.equal(ids.view(-1), inverse_cdf_sample(probs.view(20, 6), u.view(20)))
+
+
+# ---- ragged draft lengths (draft_lens) ---------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [40, 41])
+def test_ragged_batch_matches_row_by_row_reference(seed):
+    drafts, q, p, u, greedy, lens = mixed_batch(96, 5, 11, seed=seed)
+    ref_acc, ref_emit = rejection_sample_rowwise(drafts, q, p, u, greedy, lens)
+    for fn in (rejection_sample, rejection_sample_torch):
+        accepted, emitted = fn(drafts, q, p, u, greedy, lens)
+        assert torch.equal(accepted, ref_acc), fn.__name__
+        assert torch.equal(emitted, ref_emit), fn.__name__
+    assert bool((ref_acc <= lens).all())
+    assert bool(((ref_acc == lens) & (lens > 0)).any()) and bool((ref_acc < lens).any())  # both endings covered
+
+
+def test_padded_row_equals_the_row_alone():
+    drafts, q, p, u, greedy, lens = mixed_batch(40, 4, 9, seed=43)
+    accepted, emitted = rejection_sample(drafts, q, p, u, greedy, lens)
+    for b, length in enumerate(lens.tolist()):
+        one = slice(b, b + 1)
+        alone = rejection_sample(drafts[one, :length], q[one, :length], p[one, :length + 1], u[one, :length + 1],
+                                 greedy[one])
+        assert int(alone[0]) == int(accepted[b])
+        assert torch.equal(alone[1][0], emitted[b, :length + 1])
+        assert bool((emitted[b, length + 1:] == -1).all())
+
+
+def test_padding_is_never_read():
+    drafts, q, p, u, greedy, lens = mixed_batch(60, 4, 9, seed=44)
+    expected = rejection_sample(drafts, q, p, u, greedy, lens)
+    pos = torch.arange(5)[None, :]
+    p = p.masked_fill((pos > lens[:, None])[..., None], float("nan"))
+    q = q.masked_fill((pos[:, :4] >= lens[:, None])[..., None], float("nan"))
+    u = u.masked_fill(pos > lens[:, None], float("nan"))
+    drafts = torch.where(pos[:, :4] < lens[:, None], drafts, 10 ** 6)
+    for fn in (rejection_sample, rejection_sample_torch, rejection_sample_rowwise):
+        accepted, emitted = fn(drafts, q, p, u, greedy, lens)
+        assert torch.equal(accepted, expected[0]) and torch.equal(emitted, expected[1]), fn.__name__
+
+
+def test_ragged_rows_follow_the_target():
+    p, q = make_case("random", 3, seed=45)
+    drafts, qs, ps, uniforms = trial_inputs(p, q, TRIALS, seed=46)
+    lens = torch.randint(0, 4, (TRIALS,), generator=torch.Generator().manual_seed(47))
+    accepted, emitted = rejection_sample(drafts, qs, ps, uniforms, torch.zeros(TRIALS, dtype=torch.bool), lens)
+    assert bool((accepted <= lens).all())
+    assert_follows(emitted[:, 0], p[0], "ragged position 1")
+    for i in (1, 2, 3):
+        assert_follows(emitted[accepted >= i, i], p[i], f"ragged position {i + 1} given {i} accepted")
+    # Each length's accepted count follows the law of its own first L positions.
+    alphas = accept_probs(p, q)
+    for length in range(4):
+        assert_follows(accepted[lens == length], torch.from_numpy(accepted_law(alphas[:length])),
+                       f"accepted count at L={length}")

@@ -1,0 +1,36 @@
+"""`specrl bench kernels` on tiny shapes (CPU: twins and references only): report structure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specrl.bench.kernels import run_kernel_bench
+from specrl.config import Settings
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_kernels_writes_json_png_and_table(tmp_path, capsys):
+    result = run_kernel_bench(Settings.load(), quick=True, out_dir=str(tmp_path), verify_shapes=[(4, 2, 256)],
+                              loss_shapes=[(64, 32, 512), (2 ** 20, 4096, 131072)])
+    report = json.loads((tmp_path / "bench-kernels.json").read_text())
+    assert report == json.loads(json.dumps(result))
+    assert report["command"] and report["torch"] == torch.__version__ and report["quick"] is True
+    (verify,) = report["verify"]
+    assert (verify["B"], verify["K"], verify["V"]) == (4, 2, 256)
+    assert verify["rowwise_over_twin"] == pytest.approx(verify["rowwise_ms"] / verify["twin_ms"])
+    assert verify["checks_ms"] > 0 and 0 <= verify["accepted_mean"] <= 2
+    small, huge = report["loss"]
+    assert small["twin_ms"] > 0 and small["reference_ms"] > 0
+    assert small["twin_peak_bytes"] >= 0 and small["reference_peak_bytes"] >= 0
+    assert small["reference_max_rel_diff"] < 1e-4  # the twin and the materialised reference agree
+    if not torch.cuda.is_available():
+        assert "triton_ms" not in small and report["triton_used"] is False
+        assert "GiB" in huge["twin_skipped"] and "GiB" in huge["reference_skipped"]  # over the CPU RAM budget
+        assert any("pending a GPU session" in note for note in report["notes"])
+    assert (tmp_path / "bench-kernels.png").read_bytes().startswith(PNG_SIGNATURE)
+    out = capsys.readouterr().out
+    assert "loop/twin" in out and "twin skipped" in out and str(tmp_path / "bench-kernels.json") in out

@@ -64,10 +64,10 @@ class EngineLoop:
                 finished = item.finished
                 yield item
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self.engine.abort(request_id)
-                self._wake.set()
+            if finished:
+                self._queues.pop(request_id, None)
+            else:
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request nobody will read (any thread)."""

@@ -137,13 +137,18 @@ class DrafterTrainer:
             if self.targets.get(record.target_version) is None:
                 self.skipped += 1
                 continue
-            self.target_version = max(self.target_version, record.target_version, key=self._version_order)
+            if record.target_version != self.target_version:  # a newer policy? (reads the store: only on change)
+                self.target_version = max(self.target_version, record.target_version, key=self._version_order)
             if zlib.crc32(record.request_id.encode()) % 1000 < self.settings.heldout_fraction * 1000:
                 self._hold_out(example)
             else:
                 batch.append(example)
         if batch:
-            self.train(batch)
+            started = time.perf_counter()
+            loss = self.train(batch)
+            if self.step % 10 == 0:
+                log.info("event=train step=%d records=%d loss=%.4f step_s=%.2f", self.step, self.records, loss,
+                         time.perf_counter() - started)
         if self.unacked and (not batch or self.step % self.settings.checkpoint_every_steps == 0):
             self.save_state()
             self.reader.ack(self.unacked)

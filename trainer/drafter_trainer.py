@@ -185,8 +185,7 @@ class DrafterTrainer:
             return None
         hidden, target_logits = feats
         if not self._scaled:  # standardise features once, from the first context seen (FACTS.md)
-            with torch.no_grad():
-                self.drafter.feature_scale.copy_(hidden.std(0).clamp(min=1e-2))
+            self.drafter.set_feature_scale(hidden.std(0).clamp(min=1e-2))
             self._scaled = True
         tokens = torch.tensor(example.tokens)
         out = self.drafter(hidden[None, :-1], tokens[None, 1:])[0]  # [T-1, H]: index j predicts x_{j+2}

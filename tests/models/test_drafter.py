@@ -60,3 +60,13 @@ def test_drafter_that_does_not_fit_is_refused(target, tmp_path, field, value, me
 def test_directory_without_drafter_files_is_refused(target, tmp_path):
     with pytest.raises(IncompatibleDrafterError, match="is not a drafter"):
         EagleDrafter.load(tmp_path, target)
+
+
+def test_feature_scale_changes_conditioning_not_outputs(target):
+    drafter = EagleDrafter.day0(target, seed=1)
+    feats, toks = torch.randn(1, 4, target.cfg.hidden_size) * 50, torch.randint(0, 500, (1, 4))
+    with torch.inference_mode():
+        before = drafter(feats, toks)
+    drafter.set_feature_scale(torch.rand(target.cfg.hidden_size) * 100 + 1)
+    with torch.inference_mode():
+        torch.testing.assert_close(drafter(feats, toks), before, atol=1e-3, rtol=1e-4)

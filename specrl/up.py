@@ -22,12 +22,13 @@ import sys
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specrl.assets import resolve_model
 from specrl.config import Settings
+from specrl.data import PromptMix
 from specrl.launch import spawn, terminate, wait_healthy
+from specrl.traffic import Traffic
 
 
 class Redis:
@@ -68,7 +69,9 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
         children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30"], env,
                                run_dir / "trainer.log"))
         print(f"specrl up: serving {settings.model} at {url}  (logs: {run_dir})", file=sys.stderr)
-        traffic = threading.Thread(target=_demo_traffic, args=(url, settings.model, users, stop), daemon=True)
+        mix = PromptMix({"chat": 1, "code": 1, "math": 1, "structured": 1}, split="train", seed=0)
+        traffic = threading.Thread(target=Traffic(url, settings.model, users).serve, args=(mix,),
+                                   kwargs={"until": stop}, daemon=True)
         if demo:
             traffic.start()
         started = time.monotonic()
@@ -94,31 +97,6 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
             terminate(child)
         redis.stop()
     return _report(run_dir, samples, settings)
-
-
-def _demo_traffic(url: str, model: str, users: int, stop: threading.Event) -> None:
-    """`users` concurrent clients replaying the bundled training prompt mix (greedy, 64 tokens)."""
-    from specrl.data import PromptMix, as_messages
-
-    mix = PromptMix({"chat": 1, "code": 1, "math": 1, "structured": 1}, split="train", seed=0)
-    lock = threading.Lock()
-
-    def user() -> None:
-        while not stop.is_set():
-            with lock:
-                prompt = next(mix)
-            body = {"model": model, "messages": as_messages(prompt), "max_tokens": 64, "temperature": 0}
-            request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=300) as resp:
-                    resp.read()
-            except OSError:
-                stop.wait(1.0)
-
-    with ThreadPoolExecutor(users) as pool:
-        for _ in range(users):
-            pool.submit(user)
 
 
 METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",

@@ -30,6 +30,7 @@ import redis
 import torch
 
 from specrl.config import Settings
+from specrl.errors import SpecrlError
 from specrl.models.drafter import EagleDrafter
 from specrl.models.llama import Llama, load_llama
 from specrl.spec.simulate import simulate_greedy
@@ -280,8 +281,12 @@ class DrafterTrainer:
         if not self.state_path.is_file():
             return
         state = torch.load(self.state_path, weights_only=False)
-        self.drafter.load_state_dict(state["drafter"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.drafter.load_state_dict(state["drafter"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError) as exc:
+            raise SpecrlError(f"the trainer state {self.state_path} does not fit this drafter ({str(exc).splitlines()[0]}"
+                              f"...): move it away, or use another --deployment or --consumer") from None
         self.step, self.records, self.history = state["step"], state["records"], state["history"]
         self.book.load_state(state["book"])
         self._last_eval_step, self._scaled = self.step, True

@@ -57,7 +57,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from bisect import bisect_left
 from datetime import datetime
 from pathlib import Path
@@ -66,6 +65,7 @@ import torch
 
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError, SpecrlError
+from specrl.traffic import Traffic
 
 MIX = {"chat": 1, "code": 1, "math": 1, "structured": 1}
 SHIFT = ("chat", "code")
@@ -307,54 +307,6 @@ class TrafficClock:
         return max(0.0, wall - self.start - paused)
 
 
-class Traffic:
-    """`users` clients replaying prompt mixes through the chat API (greedy, TRAFFIC_TOKENS tokens)."""
-
-    def __init__(self, url: str, model: str, users: int):
-        self.url, self.model, self.users = url, model, users
-        self.requests = self.tokens = self.failures = 0
-        self.lock = threading.Lock()
-
-    def serve(self, mix, seconds: float, tick=None) -> None:
-        """Replay `mix` for `seconds`, then let in-flight requests finish. `tick()` runs each second."""
-        stop = threading.Event()
-        users = [threading.Thread(target=self._user, args=(mix, stop), daemon=True) for _ in range(self.users)]
-        for user in users:
-            user.start()
-        deadline = time.monotonic() + seconds
-        try:
-            while time.monotonic() < deadline:
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                if tick is not None:
-                    tick()
-        finally:
-            stop.set()
-            for user in users:
-                user.join()
-
-    def _user(self, mix, stop: threading.Event) -> None:
-        from specrl.data import as_messages
-
-        while not stop.is_set():
-            with self.lock:
-                prompt = next(mix)
-            body = {"model": self.model, "messages": as_messages(prompt), "max_tokens": TRAFFIC_TOKENS,
-                    "temperature": 0}
-            request = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=300) as resp:
-                    usage = json.loads(resp.read())["usage"]
-            except (OSError, ValueError, KeyError):
-                with self.lock:
-                    self.failures += 1
-                stop.wait(1.0)
-                continue
-            with self.lock:
-                self.requests += 1
-                self.tokens += usage["completion_tokens"]
-
-
 class Run:
     """One deployment: server + trainer processes, traffic phases, a checkpoint after each."""
 
@@ -415,7 +367,7 @@ class Run:
         from specrl.data import PromptMix
 
         checkpoints = [self._checkpoint("start", batch4=True)]
-        traffic = Traffic(self.url, self.settings.model, self.users)
+        traffic = Traffic(self.url, self.settings.model, self.users, TRAFFIC_TOKENS)
         mixes: dict[str, PromptMix] = {}
         self.clock.start = time.time()
         for i, phase in enumerate(self.spec.phases):

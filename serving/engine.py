@@ -230,7 +230,7 @@ class Engine:
         sampler = RowSampler.of([seq.params], [seq.generator])
         logits = target.logits(hidden[:, -1:])
         _, emitted = rejection_sample(torch.zeros(1, 0, dtype=torch.long), None, sampler.probs(logits),
-                                      sampler.uniforms(1), sampler.greedy)
+                                      sampler.uniforms(1), sampler.greedy, check_values=False)
         out = self._commit(seq, [], [], 0, emitted[0].tolist(), hidden[0, :0], logits[0])
         self._drafter_catch_up(seq)
         return out
@@ -261,8 +261,10 @@ class Engine:
         hidden = target(tokens, slots, start, self.cache)
         logits = target.logits(hidden)
         k = draft.tokens.shape[1]
+        # The engine made these distributions with softmax from finite weights (checked at load and
+        # swap): the per-step value scan (sum to 1, no NaN) would cost about as much as the sampling.
         accepted, emitted = rejection_sample(draft.tokens, draft.probs, sampler.probs(logits), sampler.uniforms(k + 1),
-                                             sampler.greedy)
+                                             sampler.greedy, check_values=False)
         return accepted, emitted, hidden, logits
 
     def _drafter_catch_up(self, seq: Sequence) -> None:

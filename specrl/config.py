@@ -78,6 +78,10 @@ class Settings:
     claim_idle_ms: int = 60_000  # another consumer's records idle this long are claimed (it died)
     trainer_metrics_port: int = 0  # > 0: the trainer serves Prometheus metrics (consumer lag) here
     checkpoint_every_steps: int = 5
+    # Serving backend: "native" (specrl's engine) or "vllm" (vLLM's async engine; the [vllm] extra).
+    backend: str = "native"
+    # vLLM backend: KV cache size in MiB (on CPU vLLM otherwise reserves most of the machine's memory).
+    vllm_kv_cache_mb: int = 1024
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":

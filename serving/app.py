@@ -28,7 +28,7 @@ from specrl.serving.generation import ChoiceStream, run_choices
 from specrl.serving.metrics import ServerMetrics
 from specrl.serving.protocol import (ChatCompletionRequest, CompletionRequest, error_body, fingerprint, new_id, now,
                                      usage)
-from specrl.serving.swap import MODES, ROLES, load_swap
+from specrl.serving.swap import MODES, ROLES
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.serving")
@@ -46,12 +46,13 @@ class RollbackBody(BaseModel):
 
 
 def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=None) -> FastAPI:
-    engine = loop.engine
-    metrics = ServerMetrics(engine, sink)
+    """`loop`: the native `EngineLoop` or the vLLM backend's `VllmLoop` (the same interface)."""
+    metrics = ServerMetrics(loop, sink)
     swap_lock = asyncio.Lock()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await loop.ready()
         yield
         # uvicorn has stopped accepting and waited for open requests (SIGTERM): finish the rest.
         await asyncio.to_thread(loop.stop, settings.shutdown_timeout)
@@ -71,7 +72,7 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
     async def health():
         if not loop.alive:
             return JSONResponse({"status": "dead", "error": repr(loop.error)}, status_code=503)
-        return {"status": "ok", "target_version": engine.target_version, "drafter_version": engine.drafter_version}
+        return {"status": "ok", "target_version": loop.target_version, "drafter_version": loop.drafter_version}
 
     @app.get("/metrics")
     async def prometheus():
@@ -86,8 +87,8 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         body.check_supported()
-        prompts = _completion_prompts(body.prompt, engine.tokenizer)
-        streams = [ChoiceStream(engine.tokenizer, i * body.n + j, p, body.sampling(body.max_tokens, body.logprobs, j),
+        prompts = _completion_prompts(body.prompt, loop.tokenizer)
+        streams = [ChoiceStream(loop.tokenizer, i * body.n + j, p, body.sampling(body.max_tokens, body.logprobs, j),
                                 chat=False, return_token_ids=body.return_token_ids)
                    for i, p in enumerate(prompts) for j in range(body.n)]
         return await _respond(body, streams, "text_completion", request)
@@ -97,11 +98,11 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
         check_model(body.model)
         body.check_supported()
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        prompt = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        prompt = list(loop.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                            return_dict=False))
         max_tokens = body.max_completion_tokens or body.max_tokens or settings.max_seq_len - len(prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        streams = [ChoiceStream(engine.tokenizer, j, prompt, body.sampling(max_tokens, logprobs, j), chat=True,
+        streams = [ChoiceStream(loop.tokenizer, j, prompt, body.sampling(max_tokens, logprobs, j), chat=True,
                                 return_token_ids=body.return_token_ids) for j in range(body.n)]
         return await _respond(body, streams, "chat.completion", request)
 
@@ -201,17 +202,14 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
             raise SwapError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if role == "policy" and mode not in MODES:
             raise SwapError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if role == "drafter" and engine.drafter is None:
+        if role == "drafter" and not loop.has_drafter:
             raise SwapError("this server runs without a drafter (--drafter none)")
         if swap_lock.locked():
             raise SwapInProgressError("another swap is loading; retry when it is done")
         async with swap_lock:
             try:
                 directory = await asyncio.to_thread(store.verify, role, version)
-                request = await asyncio.to_thread(load_swap, role, version, mode, directory, engine.target)
-                engine.request_swap(request)
-                loop.wake()
-                result = await asyncio.wrap_future(request.done)
+                result = await loop.swap(role, version, mode, directory)
                 await asyncio.to_thread(store.set_current, role, version)
             except SpecrlError:
                 metrics.swaps.labels(role, "failed").inc()
@@ -223,7 +221,7 @@ def create_app(loop: EngineLoop, settings: Settings, store: WeightsStore, sink=N
                 "swap_ms": round(result.swap_ms, 2), "serving": _serving()}
 
     def _serving() -> dict:
-        return {"policy": engine.target_version, "drafter": engine.drafter_version}
+        return {"policy": loop.target_version, "drafter": loop.drafter_version}
 
     return app
 

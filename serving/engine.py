@@ -142,18 +142,7 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError / QueueFullError before any work."""
-        params.check()
-        limit, vocab = self.settings.max_seq_len, self.target.cfg.vocab_size
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if len(prompt_ids) >= limit:
-            raise InvalidRequestError(f"the prompt has {len(prompt_ids)} tokens; the context is {limit}", param="prompt")
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the context of {limit}",
-                param="max_tokens")
+        check_request(prompt_ids, params, self.target.cfg.vocab_size, self.settings.max_seq_len)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         request_id = request_id or f"req-{next(self._ids)}"
         seq = Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed))
@@ -429,6 +418,21 @@ class Engine:
             feats = torch.zeros(bsz, 1, self.target.cfg.hidden_size)
             costs.draft[bsz] = _best_time(lambda: self.drafter.logits(self.drafter(feats, one, slots, start, self.draft_cache)), repeats)
         return costs
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, limit: int) -> None:
+    """Raise InvalidRequestError naming the first problem of a request (both backends)."""
+    params.check()
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+    if len(prompt_ids) >= limit:
+        raise InvalidRequestError(f"the prompt has {len(prompt_ids)} tokens; the context is {limit}", param="prompt")
+    if len(prompt_ids) + params.max_tokens > limit:
+        raise InvalidRequestError(
+            f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the context of {limit}",
+            param="max_tokens")
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -1,5 +1,8 @@
 """Runs the engine on its own thread and bridges it to asyncio.
 
+This is the interface the HTTP app talks to (the vLLM backend's `VllmLoop` has the same):
+`submit`, `outputs`, `abort`, `alive`, `stop`, `swap`, the serving versions, `stats`.
+
 The HTTP handlers live on the event loop; `Engine.step()` runs here, one step after another,
 never on the event loop. Each request gets an asyncio.Queue; after every step the engine
 thread hands each output to its request's queue with `call_soon_threadsafe`.
@@ -16,6 +19,7 @@ from typing import AsyncIterator
 from specrl.errors import EngineUnavailableError
 from specrl.serving.engine import Engine, StepOutput
 from specrl.serving.sequence import Sequence
+from specrl.serving.swap import SwapResult, load_swap
 from specrl.spec.sampling import SamplingParams
 
 log = logging.getLogger("specrl.engine")
@@ -37,6 +41,45 @@ class EngineLoop:
 
     def start(self) -> None:
         self._thread.start()
+
+    async def ready(self) -> None:
+        """Nothing to wait for: the engine was built before the loop started."""
+
+    # what the app reads
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def target_version(self) -> str:
+        return self.engine.target_version
+
+    @property
+    def drafter_version(self) -> str:
+        return self.engine.drafter_version
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.engine.drafter is not None
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    async def swap(self, role: str, version: str, mode: str, directory) -> SwapResult:
+        """Load and check off the decode path, apply at the next step boundary."""
+        request = await asyncio.to_thread(load_swap, role, version, mode, directory, self.engine.target)
+        self.engine.request_swap(request)
+        self.wake()
+        return await asyncio.wrap_future(request.done)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
         """Queue a request (event-loop side). Raises the engine's validation errors at once."""

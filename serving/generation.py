@@ -24,7 +24,7 @@ class ChoiceStream:
 
     def submit(self, loop: EngineLoop, request_id: str) -> None:
         self.request_id = request_id
-        self.target_version, self.drafter_version = loop.engine.target_version, loop.engine.drafter_version
+        self.target_version, self.drafter_version = loop.target_version, loop.drafter_version
         self.seq = loop.submit(self.prompt_ids, self.params, request_id)
 
     def add(self, out: StepOutput) -> tuple[str, dict | None, str | None]:

@@ -1,6 +1,6 @@
 """Prometheus metrics: vLLM's spec-decode names (existing dashboards work) plus ours.
 
-Engine counters are read at scrape time from `Engine.stats` (nothing is added to the decode
+Engine counters are read at scrape time from the engine loop's `stats` (nothing is added to the decode
 path); request latencies are observed by the HTTP layer.
 """
 
@@ -50,9 +50,9 @@ class _EngineCollector:
         versions.add_metric(["drafter", self.engine.drafter_version], 1)
         yield versions
         yield GaugeMetricFamily("specrl_requests_running", "Requests in the running batch",
-                                value=len(self.engine.scheduler.running))
+                                value=self.engine.num_running)
         yield GaugeMetricFamily("specrl_requests_waiting", "Requests waiting for a slot",
-                                value=len(self.engine.scheduler.waiting))
+                                value=self.engine.num_waiting)
         sink = self.sink
         if sink is not None:
             yield CounterMetricFamily("specrl_telemetry_records_sent", "Event records written",

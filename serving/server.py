@@ -15,6 +15,7 @@ from specrl.config import Settings
 from specrl.serving.app import create_app
 from specrl.serving.engine import Engine
 from specrl.serving.engine_loop import EngineLoop
+from specrl.errors import SpecrlError
 from specrl.telemetry import MemorySink, RedisSink, events_stream
 from specrl.weights import WeightsStore
 
@@ -23,6 +24,13 @@ log = logging.getLogger("specrl.serving")
 
 def build(settings: Settings):
     """-> (engine loop, app) ready to serve; nothing runs until the loop is started."""
+    if settings.backend == "vllm":
+        from specrl.serving.vllm.build import build_vllm_loop
+
+        loop = build_vllm_loop(settings)
+        return loop, create_app(loop, settings, WeightsStore(settings.store_path), loop.telemetry)
+    if settings.backend != "native":
+        raise SpecrlError(f"unknown backend {settings.backend!r}: use native or vllm")
     from transformers import AutoTokenizer
 
     from specrl.assets import resolve_model
@@ -64,12 +72,17 @@ def serve(settings: Settings) -> int:
                         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
     loop, app = build(settings)
     loop.start()
-    log.info("serving model=%s target_version=%s drafter_version=%s url=http://%s:%d redis=%s",
-             settings.model, loop.engine.target_version, loop.engine.drafter_version, settings.host, settings.port,
+    log.info("serving backend=%s model=%s target_version=%s drafter_version=%s url=http://%s:%d redis=%s",
+             settings.backend, settings.model, loop.target_version, loop.drafter_version, settings.host, settings.port,
              settings.redis_url or "off")
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_graceful_shutdown=int(settings.shutdown_timeout))
-    _GracefulServer(config).run()
+    server = _GracefulServer(config)
+    if hasattr(loop, "on_death"):  # a dead engine cannot come back: exit non-zero so a supervisor restarts us
+        loop.on_death = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if not server.started:  # the engine failed to start (lifespan error): uvicorn logged why
+        return 1
     return 0 if loop.error is None else 1
 
 

@@ -88,11 +88,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", default=None, help="weights store root (default <home>/weights)")
     serve.add_argument("--deployment", default=None)
     serve.add_argument("--replica", default=None)
+    serve.add_argument("--backend", default=None, choices=["native", "vllm"],
+                       help="native (default) or vllm (needs the [vllm] extra; env SPECRL_BACKEND)")
     serve.add_argument("--no-telemetry-content", dest="telemetry_content", action="store_const", const=False,
                        default=None, help="record counters only, no token ids")
     _common(serve)
     _engine_flags(serve)
     serve.set_defaults(run=_serve)
+
+    export = sub.add_parser("export-drafter", help="write a drafter in another serving format (vLLM's EAGLE head)")
+    export.add_argument("drafter", help="a specrl drafter directory (drafter.json + drafter.safetensors)")
+    export.add_argument("--format", required=True, choices=["vllm"])
+    export.add_argument("--out", required=True, help="output directory (vLLM: speculative_config model=OUT)")
+    export.add_argument("--model", default=None, help="the target it drafts for (alias or HF directory)")
+    _common(export)
+    export.set_defaults(run=_export_drafter)
 
     train = sub.add_parser("train-drafter", help="learn the drafter from the reward stream; publish and swap")
     train.add_argument("--redis-url", default=None)
@@ -164,7 +174,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 FLAGS = ("home", "threads", "model", "drafter", "max_draft_tokens", "max_batch", "host", "port", "redis_url", "store",
          "deployment", "replica", "telemetry_content", "objective", "lr", "train_records", "publish_every_s",
-         "publish_every_steps", "consumer", "trainer_metrics_port")
+         "publish_every_steps", "consumer", "trainer_metrics_port", "backend")
 
 
 def _settings(args: argparse.Namespace, **extra) -> Settings:
@@ -244,6 +254,18 @@ def _serve(args: argparse.Namespace) -> int:
     from specrl.serving.server import serve
 
     return serve(_settings(args))
+
+
+def _export_drafter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specrl.assets import resolve_model
+    from specrl.export import export_vllm
+
+    settings = _settings(args)
+    out = export_vllm(Path(args.drafter), resolve_model(settings.model, settings.home), Path(args.out))
+    print(f"vLLM EAGLE head: {out} (speculative_config={{\"method\": \"eagle\", \"model\": \"{out}\"}})")
+    return 0
 
 
 def _train_drafter(args: argparse.Namespace) -> int:

@@ -36,7 +36,8 @@ class LiveServer:
         return terminate(self.proc, timeout, sig)
 
 
-def start_server(home, tmp_path, *args: str, env: dict | None = None, admin: bool = True) -> LiveServer:
+def start_server(home, tmp_path, *args: str, env: dict | None = None, admin: bool = True,
+                 timeout_s: float = 120) -> LiveServer:
     port, deployment = free_port(), f"test-{uuid.uuid4().hex[:12]}"
     store = tmp_path / "store"
     log = tmp_path / f"serve-{port}.log"
@@ -46,7 +47,7 @@ def start_server(home, tmp_path, *args: str, env: dict | None = None, admin: boo
     args = ["serve", "--model", "tiny-random", "--port", str(port), "--store", str(store), "--deployment", deployment,
             *args]
     server = LiveServer(f"http://127.0.0.1:{port}", spawn(args, full_env, log), store, deployment, log)
-    wait_healthy(server.url, server.proc, log, timeout_s=120)
+    wait_healthy(server.url, server.proc, log, timeout_s=timeout_s)
     return server
 
 

@@ -1,0 +1,256 @@
+"""vLLM's AsyncLLM behind the interface the HTTP app uses (`EngineLoop`'s): submit, outputs,
+abort, alive, stop, swap, versions, stats.
+
+Requests go to vLLM as token ids with `RequestOutputKind.DELTA`; each delta becomes a
+`StepOutput`. Weights are labelled in vLLM itself (`update_weight_version`, "target;drafter"),
+so every finished output carries exact version spans; a swap pauses scheduling, reloads
+through the worker extension (`specrl.serving.vllm.worker`), relabels and resumes:
+
+- drafter, and policy "interrupt": pause with running requests kept; they go on with the new
+  weights. vLLM keeps their KV cache (computed by the old policy): unlike the native engine,
+  an interrupting policy swap does not recompute it.
+- policy "drain": pause new admissions until the running requests have finished on the old
+  weights, then swap; new requests wait meanwhile (vLLM holds one set of weights).
+
+Engine death (the engine-core process exits): `alive` turns false, every open request fails
+with EngineUnavailableError, and `on_death` runs (the server exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from specrl.errors import EngineUnavailableError, QueueFullError, SwapError
+from specrl.serving.engine import EngineStats, StepOutput, check_request
+from specrl.serving.swap import SwapResult
+from specrl.spec.sampling import SamplingParams
+
+log = logging.getLogger("specrl.engine")
+
+
+@dataclass
+class VllmRequest:
+    """One request's spec-decode stats and version runs (filled when it finishes)."""
+
+    request_id: str
+    steps: int = 0
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    version_runs: list[list] = field(default_factory=list)
+
+
+@dataclass
+class Telemetry:
+    """The worker's sink counters, refreshed in the background (read by /metrics)."""
+
+    sent: int = 0
+    dropped: int = 0
+    queued: int = 0
+
+    def close(self, timeout: float = 0) -> None:  # the worker's sink closes with the engine
+        pass
+
+
+class VllmLoop:
+    def __init__(self, engine_args, tokenizer, settings, *, worker_options: dict, has_drafter: bool,
+                 vocab_size: int):
+        self.engine_args, self.tokenizer, self.settings = engine_args, tokenizer, settings
+        self.worker_options, self.has_drafter, self.vocab_size = worker_options, has_drafter, vocab_size
+        self.target_version = settings.target_version
+        self.drafter_version = settings.drafter_version if has_drafter else "none"
+        self.stats = EngineStats()
+        self.telemetry = Telemetry()
+        self.engine = None
+        self.error: BaseException | None = None
+        self.on_death: Callable[[], None] | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._requests: dict[str, VllmRequest] = {}
+        self._admitting = True
+        self._watch: asyncio.Task | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Engine processes start inside the event loop (`ready`)."""
+
+    async def ready(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.perf_counter()
+        self.engine = AsyncLLM.from_engine_args(self.engine_args)
+        [reply] = await self.engine.collective_rpc("specrl_setup", args=(self.worker_options,))
+        if not reply.get("ok"):
+            raise RuntimeError(f"the vLLM worker extension failed to set up: {reply.get('error')}")
+        await self.engine.update_weight_version(self._label())
+        self._watch = asyncio.create_task(self._watchdog())
+        log.info("vllm engine ready seconds=%.1f drafter=%s", time.perf_counter() - started, self.has_drafter)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and (self.engine is None or not self.engine.errored)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._tasks)
+
+    num_waiting = 0  # vLLM's own queue is not visible here; `num_running` counts every open request
+
+    def wake(self) -> None:
+        pass
+
+    def stop(self, timeout: float) -> None:
+        """Stop admitting, wait for open requests up to `timeout`, then shut the engine down (any thread)."""
+        self._admitting = False
+        deadline = time.monotonic() + timeout
+        while self._tasks and self.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> VllmRequest:
+        if not self.alive or not self._admitting:
+            raise EngineUnavailableError("the vLLM engine is not running")
+        check_request(prompt_ids, params, self.vocab_size, self.settings.max_seq_len)
+        if len(self._tasks) >= self.settings.max_batch + self.settings.max_waiting:
+            raise QueueFullError(f"{len(self._tasks)} requests are open; retry shortly")
+        request = VllmRequest(request_id)
+        self._requests[request_id] = request
+        self._queues[request_id] = asyncio.Queue()
+        self._tasks[request_id] = asyncio.create_task(self._run(request, prompt_ids, params))
+        self.stats.prompt_tokens += len(prompt_ids)
+        return request
+
+    async def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
+        queue = self._queues[request_id]
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._queues.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()  # cancelling vLLM's generate() aborts the request in the engine
+
+    async def _run(self, request: VllmRequest, prompt_ids: list[int], params: SamplingParams) -> None:
+        from vllm.inputs import TokensPrompt
+
+        queue = self._queues[request.request_id]
+        try:
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                                  _vllm_params(params), request.request_id):
+                queue.put_nowait(self._step_output(request, out.outputs[0], params))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # engine death and the like: fail this request now, never hang
+            queue.put_nowait(EngineUnavailableError(f"the vLLM engine failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self._tasks.pop(request.request_id, None)
+            self._requests.pop(request.request_id, None)
+
+    def _step_output(self, request: VllmRequest, out, params: SamplingParams) -> StepOutput:
+        tokens = list(out.token_ids)
+        logprobs = None
+        if params.logprobs is not None and out.logprobs:
+            logprobs = [(entry[tok].logprob, sorted(((i, lp.logprob) for i, lp in entry.items()
+                                                     if lp.rank is not None and lp.rank <= params.logprobs),
+                                                    key=lambda x: -x[1])[: params.logprobs])
+                        for tok, entry in zip(tokens, out.logprobs)]
+        self.stats.generated_tokens += len(tokens)
+        finished = out.finish_reason is not None
+        if finished:
+            self._finish(request, out)
+        reason = {"abort": "abort"}.get(out.finish_reason, out.finish_reason)
+        target, drafter = (request.version_runs[-1][1:] if finished and request.version_runs
+                           else (self.target_version, self.drafter_version))
+        return StepOutput(request.request_id, tokens, finished, reason, target, drafter, logprobs)
+
+    def _finish(self, request: VllmRequest, out) -> None:
+        m = out.spec_decode_metrics
+        if m is not None:
+            request.drafts = sum(m.histogram)
+            request.drafted = m.num_draft_tokens
+            request.accepted = sum(j * n for j, n in enumerate(m.histogram))
+            self.stats.drafts += request.drafts
+            self.stats.draft_tokens += request.drafted
+            self.stats.accepted_tokens += request.accepted
+            per_pos = self.stats.accepted_per_position
+            per_pos += [0] * (len(m.histogram) - 1 - len(per_pos))
+            for j, n in enumerate(m.histogram):
+                for position in range(j):
+                    per_pos[position] += n
+        request.steps = request.drafts + 1  # the prefill's token is a step without a draft
+        self.stats.steps += request.steps
+        request.version_runs = [[span.start, *_unlabel(span.version)] for span in out.weight_versions or []
+                                if span.end > span.start]
+
+    # ---- swaps -------------------------------------------------------------------------------
+    async def swap(self, role: str, version: str, mode: str, directory) -> SwapResult:
+        requested = time.perf_counter()
+        if not self.alive:
+            raise EngineUnavailableError("the vLLM engine is not running")
+        await self.engine.pause_generation(mode="wait" if role == "policy" and mode == "drain" else "keep",
+                                           clear_cache=False)
+        try:
+            [reply] = await self.engine.collective_rpc("specrl_swap", args=(role, str(directory), version))
+            if not reply.get("ok"):
+                raise SwapError(f"{role} {version}: {reply.get('error')}")
+            if role == "drafter":
+                self.drafter_version = version
+            else:
+                self.target_version = version
+                await self.engine.reset_prefix_cache()  # cached prefixes were computed by the old policy
+            await self.engine.update_weight_version(self._label())
+        finally:
+            await self.engine.resume_generation()
+        return SwapResult(role, version, mode, reply.get("load_ms", 0.0), (time.perf_counter() - requested) * 1000)
+
+    def _label(self) -> str:
+        return f"{self.target_version};{self.drafter_version}"
+
+    # ---- health ------------------------------------------------------------------------------
+    async def _watchdog(self) -> None:
+        """Poll engine health and the worker's telemetry counters; on death fail everything fast."""
+        while self.alive:
+            try:
+                [reply] = await asyncio.wait_for(self.engine.collective_rpc("specrl_telemetry"), timeout=30)
+                if reply.get("ok"):
+                    self.telemetry.sent, self.telemetry.dropped = reply["sent"], reply["dropped"]
+                    self.telemetry.queued = reply["queued"]
+            except Exception:  # noqa: BLE001 - a dead engine shows in `alive` below
+                pass
+            await asyncio.sleep(1.0)
+        self.error = self.error or RuntimeError("the vLLM engine core died")
+        log.error("vllm engine died; failing %d open requests", len(self._tasks))
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(EngineUnavailableError("the vLLM engine died"))
+        if self.on_death is not None:
+            self.on_death()
+
+
+def _unlabel(label: str) -> list[str]:
+    target, _, drafter = label.partition(";")
+    return [target, drafter or "none"]
+
+
+def _vllm_params(params: SamplingParams):
+    from vllm import SamplingParams as VP
+    from vllm.sampling_params import RequestOutputKind
+
+    return VP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
+              seed=params.seed, stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
+              ignore_eos=params.ignore_eos, logprobs=params.logprobs, output_kind=RequestOutputKind.DELTA)

@@ -1,0 +1,238 @@
+"""specrl's `worker_extension_cls` for vLLM: runs inside vLLM's worker process.
+
+vLLM mixes this class into its worker; the API process calls its methods with
+`collective_rpc`. An exception escaping such a method shuts the engine down, so every public
+method catches everything and returns `{"ok": False, "error": ...}` instead.
+
+- `specrl_setup`: make vLLM run specrl's drafter exactly (see `specrl.export`): the target's
+  final norm moves from its forward into its logits, so the drafter gets the pre-norm hidden
+  state specrl's drafter was trained on; the drafter's logits go through the target's norm and
+  head; its layer gets back its input norm. Then wrap the model runner so that every step's
+  draft and sampled tokens reach the `Recorder` (Redis events).
+- `specrl_swap`: check a new drafter or policy completely (names, shapes, finite values) before
+  touching the model, then load it with vLLM's layerwise reload. A failure leaves the serving
+  weights in place.
+- `specrl_telemetry`: sink counters for /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specrl.serving.vllm.recorder import Recorder
+
+log = logging.getLogger("specrl.vllm.worker")
+
+
+def _guard(fn, *args) -> dict:
+    try:
+        return {"ok": True, **(fn(*args) or {})}
+    except Exception as exc:  # noqa: BLE001 - nothing may escape into collective_rpc
+        log.warning("specrl worker call %s failed: %s", fn.__name__, traceback.format_exc(limit=4))
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+class _InputNorm(nn.Module):
+    """RMSNorm whose weight is a plain attribute (not a parameter): vLLM's weight loading and
+    layerwise reload never see it; `specrl_swap` sets it directly."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.w, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        def norm(t):
+            return (t.float() * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + self.eps) * self.w).to(t.dtype)
+
+        if residual is None:
+            return norm(x)
+        x = x + residual
+        return norm(x), x
+
+
+class SpecrlWorkerExtension:
+    # ---- called through collective_rpc -------------------------------------------------------
+    def specrl_setup(self, options: dict) -> dict:
+        return _guard(self._specrl_setup, options)
+
+    def specrl_swap(self, role: str, directory: str, version: str) -> dict:
+        return _guard(self._specrl_swap, role, directory, version)
+
+    def specrl_telemetry(self) -> dict:
+        return _guard(self._specrl_telemetry)
+
+    # ---- implementation ----------------------------------------------------------------------
+    def _specrl_setup(self, options: dict) -> dict:
+        from safetensors.torch import load_file
+
+        from specrl.export import EXTRA_FILE, INPUT_NORM
+
+        runner = self.model_runner
+        target, draft = runner.get_model(), runner.get_draft_model()
+        self._specrl_logits = _move_final_norm(target)
+        self._specrl_paths = {"policy": options["model_dir"], "drafter": options.get("drafter_dir")}
+        if draft is not None:
+            extra = load_file(str(Path(options["eagle_dir"]) / EXTRA_FILE))
+            layer = draft.model.layers[0]
+            eps = self.vllm_config.speculative_config.draft_model_config.hf_config.rms_norm_eps
+            layer.input_layernorm = _InputNorm(extra[INPUT_NORM].to(torch.float32).clone(), eps)
+            draft.compute_logits = self._specrl_logits  # the target's norm + head over the drafter's output
+        self._specrl_recorder = Recorder(_sink(options), options.get("deployment", "default"),
+                                         options.get("replica", "0"), options.get("target_version", "base"),
+                                         options.get("drafter_version", "none"))
+        _wrap_runner(runner, self._specrl_recorder)
+        return {"drafter": draft is not None}
+
+    def _specrl_telemetry(self) -> dict:
+        rec = self._specrl_recorder
+        sink = rec.sink
+        return {"sent": getattr(sink, "sent", 0), "dropped": getattr(sink, "dropped", 0),
+                "queued": getattr(sink, "queued", 0), "emitted": getattr(sink, "emitted", 0),
+                "steps": rec.steps, "errors": rec.errors}
+
+    def _specrl_swap(self, role: str, directory: str, version: str) -> dict:
+        from vllm.config import set_current_vllm_config
+
+        started = time.perf_counter()
+        runner = self.model_runner
+        if role == "drafter":
+            model = runner.get_draft_model()
+            if model is None:
+                raise ValueError("this engine runs without a drafter")
+            tensors, norm = _drafter_tensors(Path(directory), model)
+            modules = nn.ModuleList([model.model.fc, model.model.layers])
+            model_config = self.vllm_config.speculative_config.draft_model_config
+        else:
+            model = runner.get_model()
+            tensors, norm = _policy_tensors(Path(directory), Path(self._specrl_paths["policy"])), None
+            modules, model_config = model, self.vllm_config.model_config
+        load_ms = (time.perf_counter() - started) * 1000
+        with set_current_vllm_config(self.vllm_config):
+            _reload(model, modules, tensors, model_config)
+        if norm is not None:
+            model.model.layers[0].input_layernorm.w = norm
+        self._specrl_recorder.flush_all()
+        if role == "drafter":
+            self._specrl_recorder.drafter_version = version
+        else:
+            self._specrl_recorder.target_version = version
+        self._specrl_paths[role] = directory
+        return {"load_ms": load_ms, "swap_ms": (time.perf_counter() - started) * 1000}
+
+
+def _reload(model: nn.Module, modules: nn.Module, tensors: dict[str, torch.Tensor], model_config) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(modules)
+    model.load_weights(iter(tensors.items()))
+    finalize_layerwise_reload(modules, model_config)
+
+
+def _move_final_norm(target: nn.Module):
+    """Make the target's forward return the pre-norm hidden state and apply its final norm in
+    `compute_logits` instead (the same logits). -> the new compute_logits."""
+    norm = target.model.norm
+    apply_norm, head_logits = norm.forward, target.compute_logits
+
+    def passthrough(x, residual=None):
+        x = x if residual is None else x + residual
+        return (x, x) if residual is not None else x
+
+    def compute_logits(hidden_states):
+        return head_logits(apply_norm(hidden_states))
+
+    norm.forward = passthrough
+    target.compute_logits = compute_logits
+    return compute_logits
+
+
+def _drafter_tensors(directory: Path, model: nn.Module) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A specrl drafter directory -> (vLLM EAGLE-1 tensors of fc + layer, input-norm weight), all checked."""
+    from safetensors.torch import load_file
+
+    from specrl.export import INPUT_NORM, eagle_layer_tensors
+    from specrl.models.drafter import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig
+
+    cfg = DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+    tensors = eagle_layer_tensors(load_file(str(directory / WEIGHTS_FILE)), cfg)
+    hf = model.config
+    want = {"hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size, "num_heads": hf.num_attention_heads,
+            "num_kv_heads": hf.num_key_value_heads, "intermediate_size": hf.intermediate_size}
+    for name, value in want.items():
+        if getattr(cfg, name) != value:
+            raise ValueError(f"drafter {name}={getattr(cfg, name)} does not fit the serving drafter's {value}")
+    h = hf.hidden_size
+    if tuple(tensors["fc.weight"].shape) != (h, 2 * h):
+        raise ValueError(f"fc.weight has shape {tuple(tensors['fc.weight'].shape)}, expected {(h, 2 * h)}")
+    _check_finite(tensors)
+    return tensors, tensors.pop(INPUT_NORM)
+
+
+def _policy_tensors(directory: Path, serving: Path) -> dict[str, torch.Tensor]:
+    """An HF policy directory -> its tensors, checked against the serving checkpoint's names and shapes."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    new_cfg, old_cfg = (json.loads((d / "config.json").read_text()) for d in (directory, serving))
+    for key in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "tie_word_embeddings"):
+        if new_cfg.get(key) != old_cfg.get(key):
+            raise ValueError(f"policy config {key}={new_cfg.get(key)!r} differs from the serving {old_cfg.get(key)!r}")
+    want = {}
+    for f in sorted(serving.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            want.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    tensors = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if got != want:
+        diff = sorted(set(got.items()) ^ set(want.items()))[:3]
+        raise ValueError(f"policy tensors do not match the serving model's names and shapes: {diff}")
+    _check_finite(tensors)
+    return tensors
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    for name, value in tensors.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f"tensor {name} has NaN or inf values")
+
+
+def _sink(options: dict):
+    if not options.get("redis_url"):
+        return None
+    from specrl.telemetry import RedisSink, events_stream
+
+    return RedisSink(options["redis_url"], events_stream(options.get("deployment", "default")),
+                     maxlen=options.get("maxlen", 100_000), content=options.get("content", True))
+
+
+def _wrap_runner(runner, recorder: Recorder) -> None:
+    """After each sampling step, hand (scheduler output, runner output) to the recorder."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    execute, sample = runner.execute_model, runner.sample_tokens
+    state = {}
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        state["sched"] = scheduler_output
+        out = execute(scheduler_output, *args, **kwargs)
+        if isinstance(out, ModelRunnerOutput):  # a step without a separate sampling call
+            recorder.step(scheduler_output, out)
+        return out
+
+    def sample_tokens(*args, **kwargs):
+        out = sample(*args, **kwargs)
+        result = out.get_output() if hasattr(out, "get_output") else out
+        recorder.step(state.pop("sched", None), result if isinstance(result, ModelRunnerOutput) else None)
+        return out
+
+    runner.execute_model, runner.sample_tokens = execute_model, sample_tokens

@@ -4,6 +4,7 @@ swaps through the worker extension, greedy output equal to plain greedy with an 
 drafter, and, last, engine death. Real vLLM (eager mode on CPU), real Redis, SmolLM2 (vLLM's
 CPU attention has no kernel for tiny-random's head size 16)."""
 
+import importlib.util
 import os
 import signal
 import time
@@ -18,8 +19,9 @@ from specrl.telemetry import RECORD_FIELD, SegmentRecord
 from specrl.weights import WeightsStore
 from tests.serving.conftest import ADMIN_TOKEN, REDIS_URL, start_server
 
-pytest.importorskip("vllm", reason="the [vllm] extra is not installed")
-pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
+# find_spec, not import: importing vllm into the test process changes torch's threading for every later test
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the [vllm] extra is not installed")]
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

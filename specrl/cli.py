@@ -112,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--objective", default=None, choices=["kl", "kl_neg", "pg"])
     train.add_argument("--lr", type=float, default=None)
     train.add_argument("--train-records", type=int, default=None, help="records per optimizer step")
+    train.add_argument("--unroll-steps", type=int, default=None,
+                       help="extra passes on the drafter's own predicted features (training-time test); 0 = off")
     train.add_argument("--publish-every-s", type=float, default=None)
     train.add_argument("--publish-every-steps", type=int, default=None)
     train.add_argument("--consumer", default=None, help="stable consumer name in the group")
@@ -173,7 +175,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 FLAGS = ("home", "threads", "model", "drafter", "max_draft_tokens", "max_batch", "host", "port", "redis_url", "store",
-         "deployment", "replica", "telemetry_content", "objective", "lr", "train_records", "publish_every_s",
+         "deployment", "replica", "telemetry_content", "objective", "lr", "train_records", "unroll_steps", "publish_every_s",
          "publish_every_steps", "consumer", "trainer_metrics_port", "backend")
 
 

@@ -64,7 +64,10 @@ class Settings:
     # Drafter trainer.
     servers: str = ""  # comma-separated replica URLs asked to swap after a publish
     objective: str = "kl"  # kl | kl_neg | pg
-    lr: float = 3e-4
+    lr: float = 1e-3  # measured: first-draft acceptance 0.23 vs 0.14 for 3e-4 after the same 50 steps
+    # Extra training passes that feed the drafter its own predicted features (training-time test):
+    # drafts after the first read the drafter's outputs, not the target's, at serving time.
+    unroll_steps: int = 1
     train_records: int = 16  # records per optimizer step
     train_positions: int = 1024  # at most this many drafter positions per step
     publish_every_s: float = 60.0

@@ -37,7 +37,7 @@ from specrl.spec.simulate import simulate_greedy
 from specrl.telemetry.reader import RecordReader
 from specrl.trainer.canary import Canary
 from specrl.trainer.contexts import ContextBook, Example
-from specrl.trainer.objectives import OBJECTIVES, drafter_loss
+from specrl.trainer.objectives import OBJECTIVES, drafter_loss, forward_kl
 from specrl.trainer.publisher import Publisher
 from specrl.weights import WeightsStore
 
@@ -77,6 +77,8 @@ class DrafterTrainer:
                  publisher: Publisher | None, state_path: Path):
         if settings.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {settings.objective!r}")
+        if settings.unroll_steps < 0:
+            raise ValueError(f"unroll_steps must be >= 0, got {settings.unroll_steps}")
         self.settings, self.reader, self.store, self.publisher = settings, reader, store, publisher
         self.targets = TargetPool(model_dir, settings.target_version, store)
         self.target_version = settings.target_version
@@ -195,12 +197,20 @@ class DrafterTrainer:
         row_of = {p: i for i, p in enumerate(positions)}
         rejected = [(row_of[p], t) for p, t in example.rejected if p in row_of]
         firsts = [(row_of[pos - 2], d[0], a) for pos, d, a in example.steps if d and pos - 2 in row_of]
-        return drafter_loss(self.settings.objective, draft_logits, target_logits[index + 1],
+        loss = drafter_loss(self.settings.objective, draft_logits, target_logits[index + 1],
                             rejected_rows=torch.tensor([r for r, _ in rejected], dtype=torch.long),
                             rejected_tokens=torch.tensor([t for _, t in rejected], dtype=torch.long),
                             step_rows=torch.tensor([r for r, _, _ in firsts], dtype=torch.long),
                             step_tokens=torch.tensor([t for _, t, _ in firsts], dtype=torch.long),
                             step_returns=torch.tensor([a for _, _, a in firsts], dtype=torch.long))
+        for _ in range(self.settings.unroll_steps):
+            # Training-time test: index j reads out[j-1], the drafter's own prediction of h_j, as a
+            # later draft does when serving (approximation: earlier positions are unrolled too,
+            # where serving attends to a prefix built from real features). Measured on SmolLM2:
+            # second-draft acceptance 0.036 vs 0.010 of steps after the same 50 optimizer steps.
+            out = self.drafter(torch.cat([hidden[:1], out.detach()[:-1]])[None], tokens[None, 1:])[0]
+            loss = loss + forward_kl(self._full_vocab(self.drafter.logits(out[index])), target_logits[index + 1])
+        return loss / (1 + self.settings.unroll_steps)
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.drafter.draft_to_target is None:

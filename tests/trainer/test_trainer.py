@@ -217,3 +217,8 @@ def test_trainer_survives_a_redis_restart(home, tmp_path, tiny_dir, tokenizer):
         assert trainer.records == 2 and not worker.is_alive()
     finally:
         server.kill()
+
+
+def test_negative_unroll_steps_is_refused(home, tmp_path, deployment, tiny_dir):
+    with pytest.raises(ValueError, match="unroll_steps must be >= 0"):
+        make_trainer(home, tmp_path, deployment, tiny_dir, unroll_steps=-1)

@@ -18,7 +18,6 @@ log = logging.getLogger("specrl.serving")
 def build_vllm_loop(settings: Settings) -> VllmLoop:
     version = check_version()
     from transformers import AutoTokenizer
-    from vllm.engine.arg_utils import AsyncEngineArgs
 
     from specrl.assets import resolve_model
     from specrl.export import export_vllm
@@ -34,14 +33,7 @@ def build_vllm_loop(settings: Settings) -> VllmLoop:
     if drafter_dir is not None:
         eagle_dir = Path(tempfile.mkdtemp(prefix="specrl-eagle-"))
         export_vllm(drafter_dir, model_dir, eagle_dir)
-    speculative = ({"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": settings.max_draft_tokens}
-                   if eagle_dir else None)
-    args = AsyncEngineArgs(model=str(model_dir), tokenizer=str(base), dtype="float32", enforce_eager=True,
-                           max_model_len=settings.max_seq_len, max_num_seqs=settings.max_batch, seed=settings.seed,
-                           async_scheduling=False, kv_cache_memory_bytes=settings.vllm_kv_cache_mb << 20,
-                           speculative_config=speculative, per_request_spec_decode_metrics="summary",
-                           worker_extension_cls="specrl.serving.vllm.worker.SpecrlWorkerExtension",
-                           disable_log_stats=False, enable_prefix_caching=False)
+    args = engine_args(settings, model_dir, base, eagle_dir)
     options = {"model_dir": str(model_dir), "drafter_dir": str(drafter_dir) if drafter_dir else None,
                "eagle_dir": str(eagle_dir) if eagle_dir else None, "redis_url": settings.redis_url,
                "deployment": settings.deployment, "replica": settings.replica, "content": settings.telemetry_content,
@@ -50,6 +42,23 @@ def build_vllm_loop(settings: Settings) -> VllmLoop:
     log.info("vllm backend version=%s model=%s drafter=%s", version, model_dir, drafter_dir)
     return VllmLoop(args, AutoTokenizer.from_pretrained(base), settings, worker_options=options,
                     has_drafter=drafter_dir is not None, vocab_size=LlamaConfig.from_dir(model_dir).vocab_size)
+
+
+def engine_args(settings: Settings, model_dir: Path, base: Path, eagle_dir: Path | None):
+    """-> vLLM's AsyncEngineArgs: eager float32 on CPU, EAGLE speculation when there is an exported
+    head (`eagle_dir`), specrl's worker extension."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    speculative = {}
+    if eagle_dir is not None:  # vLLM refuses per-request spec-decode metrics without speculation
+        speculative = {"speculative_config": {"method": "eagle", "model": str(eagle_dir),
+                                              "num_speculative_tokens": settings.max_draft_tokens},
+                       "per_request_spec_decode_metrics": "summary"}
+    return AsyncEngineArgs(model=str(model_dir), tokenizer=str(base), dtype="float32", enforce_eager=True,
+                           max_model_len=settings.max_seq_len, max_num_seqs=settings.max_batch, seed=settings.seed,
+                           async_scheduling=False, kv_cache_memory_bytes=settings.vllm_kv_cache_mb << 20,
+                           worker_extension_cls="specrl.serving.vllm.worker.SpecrlWorkerExtension",
+                           disable_log_stats=False, enable_prefix_caching=False, **speculative)
 
 
 def _drafter_dir(settings: Settings, store: WeightsStore, base: Path) -> tuple[Path | None, str]:

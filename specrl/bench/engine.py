@@ -1,25 +1,30 @@
-"""`specrl bench engine`: native plain vs native speculative vs HF `generate`, one process, one run.
+"""`specrl bench engine`: native plain vs native speculative vs HF `generate`, and vLLM plain vs
+vLLM speculative (`--backend native,vllm`), one run.
 
 Every engine decodes the same chat-templated prompts greedily, exactly `new_tokens` tokens per
-sequence (EOS ignored), at each batch size B: one warm-up run, then one timed run; tokens/s is
-the generated tokens over the timed run's wall time (prefill included). Native plain and native
+sequence (EOS ignored), at each batch size B, all B requests submitted at once: one warm-up
+run, then one timed run; tokens/s is the generated tokens over the timed run's wall time
+(prefill included), TTFT the mean (and max) over the batch of the time from submission to a
+request's first token (not for HF `generate`, which returns at the end). Native plain and native
 speculative run back to back per B and share one target (the same weights object), so their
-ratio compares decoding, not loading. Besides throughput the report holds:
+ratio compares decoding, not loading. Every engine computes with the same number of threads
+(`--threads`, default: vLLM's own default on CPU, all usable cores but one). vLLM runs in child
+processes (`specrl.bench.vllm_engine` says how and why), the engine `specrl serve --backend vllm`
+serves: its speculative rows use the same drafter (the day-0 head unless --drafter names one)
+with a fixed k = --max-draft-tokens, where native picks k per step. Ratios vLLM / native per B
+for tokens/s and TTFT. Besides throughput the report holds:
 
 - the memory-bandwidth bound at B = 1: the machine's read bandwidth (`t.sum()` over a 1 GiB
   float32 tensor, best of 3) over the weight bytes one decode forward streams (every layer's
   qkv / o / gate_up / down and the output head, counted once even when tied to the embedding;
   the embedding lookup reads a row, not the table);
 - the process's peak RSS after the native runs, before HF loads its copy of the model,
-  against 2 x model bytes + the KV caches allocated.
-vLLM is not measured here; the report says whether it is installed.
+  against 2 x model bytes + the KV caches allocated (the bench process only: vLLM's are others).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import importlib.util
 import json
 import resource
 import sys
@@ -30,11 +35,25 @@ from typing import Callable
 
 import torch
 
+from specrl.bench.backends import NATIVE, VLLM, bench_threads, ratio, settings_record, vllm_version
+from specrl.bench.vllm_engine import VLLM_PLAIN, VLLM_SPEC, vllm_rows
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
 from specrl.spec.sampling import SamplingParams
 
 NATIVE_PLAIN, NATIVE_SPEC, HF = "native_plain", "native_spec", "hf_generate"
+# (ratio name, metric, numerator engine, denominator engine), per batch size when both were measured
+RATIOS = (
+    ("native_plain_over_hf", "tokens_per_s", NATIVE_PLAIN, HF),
+    ("native_spec_over_native_plain", "tokens_per_s", NATIVE_SPEC, NATIVE_PLAIN),
+    ("vllm_plain_over_native_plain", "tokens_per_s", VLLM_PLAIN, NATIVE_PLAIN),
+    ("vllm_spec_over_native_spec", "tokens_per_s", VLLM_SPEC, NATIVE_SPEC),
+    ("vllm_spec_over_vllm_plain", "tokens_per_s", VLLM_SPEC, VLLM_PLAIN),
+    ("decode_vllm_plain_over_native_plain", "decode_tokens_per_s", VLLM_PLAIN, NATIVE_PLAIN),
+    ("decode_vllm_spec_over_native_spec", "decode_tokens_per_s", VLLM_SPEC, NATIVE_SPEC),
+    ("ttft_vllm_plain_over_native_plain", "ttft_ms", VLLM_PLAIN, NATIVE_PLAIN),
+    ("ttft_vllm_spec_over_native_spec", "ttft_ms", VLLM_SPEC, NATIVE_SPEC),
+)
 BANDWIDTH_BYTES = 1 << 30
 
 PROMPTS = [
@@ -57,15 +76,29 @@ PROMPTS = [
 ]
 
 
-def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int, out_dir: str | None) -> dict:
-    """Measure every engine at every batch size; print a table; write bench-engine.json and .png."""
+def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int, out_dir: str | None,
+                     backends: tuple[str, ...] = (NATIVE,)) -> dict:
+    """Measure every engine of `backends` at every batch size; print a table; write
+    bench-engine.json and .png (and the vLLM children's logs) to the report directory."""
     from specrl.assets import resolve_model
 
     if not batch_sizes or min(batch_sizes) < 1 or new_tokens < 1:
         raise InvalidRequestError("batch sizes and --new-tokens must be integers >= 1")
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-engine-{stamp}"
     model_dir = resolve_model(settings.model, settings.home)
-    settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes))
+    threads, previous = bench_threads(settings.threads), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(settings, batch_sizes, new_tokens, out, model_dir, threads, backends)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path, model_dir: Path, threads: int,
+         backends: tuple[str, ...]) -> dict:
+    drafter = spec_drafter(settings)
+    settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes), threads=threads, drafter=drafter)
     plain, spec = native_engines(settings)
     prompts = chat_prompts(spec.tokenizer, max(batch_sizes))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -80,9 +113,10 @@ def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int
     gc.collect()
     bandwidth = read_bandwidth_gb_s()
     rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
+    if VLLM in backends:
+        rows += vllm_rows(settings, drafter, prompts, batch_sizes, new_tokens, threads, out / "vllm-logs")
     result = _result(settings, model_dir, batch_sizes, new_tokens, rows, memory,
-                     _bandwidth_report(bandwidth, weight_bytes, rows))
-    out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-engine-{stamp}"
+                     _bandwidth_report(bandwidth, weight_bytes, rows), backends)
     _print_table(result)
     _write_report(result, out)
     return result
@@ -93,10 +127,14 @@ def native_engines(settings: Settings):
     configured drafter directory, else the untrained day-0 head."""
     from specrl.serving.engine import Engine
 
-    drafter = settings.drafter if settings.drafter != "none" else "day0"
-    spec = Engine.from_settings(settings.replace(drafter=drafter))
+    spec = Engine.from_settings(settings.replace(drafter=spec_drafter(settings)))
     plain = Engine(spec.target, spec.tokenizer, settings.replace(drafter="none"))
     return plain, spec
+
+
+def spec_drafter(settings: Settings) -> str:
+    """The drafter setting of the speculative rows: the configured one, else the day-0 head."""
+    return settings.drafter if settings.drafter != "none" else "day0"
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -107,26 +145,58 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def _native_run(engine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """One engine.generate over the batch -> generated tokens and speculation counts."""
-    done = engine.generate(prompts, params)
-    drafted, accepted = sum(c.drafted for c in done), sum(c.accepted for c in done)
-    stats = {"tokens": sum(len(c.output_ids) for c in done), "steps": sum(c.steps for c in done)}
-    if engine.drafter is not None:
+    """Submit the batch at once and step the engine until it is done -> `batch_stats`."""
+    started = time.perf_counter()
+    seqs = [engine.submit(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.new_token_ids:
+                first.setdefault(out.request_id, time.perf_counter() - started)
+    done = [engine.completion(s) for s in seqs]
+    speculative = engine.drafter is not None
+    return batch_stats([len(c.output_ids) for c in done], [first.get(c.request_id) for c in done],
+                       steps=sum(c.steps for c in done),
+                       drafted=sum(c.drafted for c in done) if speculative else None,
+                       accepted=sum(c.accepted for c in done) if speculative else None,
+                       acceptance_lengths=[c.acceptance_length for c in done])
+
+
+def batch_stats(tokens: list[int], first_token_s: list[float | None], *, steps: int, drafted: int | None = None,
+                accepted: int | None = None, acceptance_lengths: list[float] = ()) -> dict:
+    """One batch's counts (per request: tokens generated, seconds to its first token; `drafted`
+    None: no drafter) -> {tokens, steps, ttft_ms, ttft_ms_max[, drafted, accepted,
+    acceptance_length, accepted_fraction]}."""
+    ttft = [s * 1000 for s in first_token_s if s is not None]
+    stats = {"tokens": sum(tokens), "steps": steps, "ttft_ms": sum(ttft) / len(ttft) if ttft else None,
+             "ttft_ms_max": max(ttft, default=None)}
+    if drafted is not None:
         stats.update(drafted=drafted, accepted=accepted,
-                     acceptance_length=sum(c.acceptance_length for c in done) / len(done),
+                     acceptance_length=sum(acceptance_lengths) / max(len(acceptance_lengths), 1),
                      accepted_fraction=accepted / drafted if drafted else 0.0)
     return stats
 
 
 def _measure(engine: str, batch_size: int, run: Callable[[], dict]) -> dict:
-    """Warm up once, time one run -> a row {engine, batch_size, tokens, seconds, tokens_per_s, ...}."""
+    """Warm up once, time one run -> `timed_row`."""
     run()
     started = time.perf_counter()
     stats = run()
-    seconds = time.perf_counter() - started
+    return timed_row(engine, batch_size, time.perf_counter() - started, stats)
+
+
+def timed_row(engine: str, batch_size: int, seconds: float, stats: dict) -> dict:
+    """-> a row {engine, batch_size, seconds, tokens_per_s, decode_tokens_per_s, **stats},
+    announced on stderr. decode_tokens_per_s: the tokens after each request's first over the
+    time after the last first token (prefill left out; None without TTFT)."""
+    last_first = stats.get("ttft_ms_max")
+    decode = None
+    if last_first is not None and seconds > last_first / 1000:
+        decode = (stats["tokens"] - batch_size) / (seconds - last_first / 1000)
     row = {"engine": engine, "batch_size": batch_size, "seconds": seconds,
-           "tokens_per_s": stats["tokens"] / seconds, **stats}
+           "tokens_per_s": stats["tokens"] / seconds, "decode_tokens_per_s": decode, **stats}
     extra = f" acceptance_length={row['acceptance_length']:.2f}" if "acceptance_length" in row else ""
+    extra += f" ttft_ms={row['ttft_ms']:.0f}" if row.get("ttft_ms") is not None else ""
     print(f"bench engine={engine} B={batch_size} tokens={row['tokens']} seconds={seconds:.2f} "
           f"tokens_per_s={row['tokens_per_s']:.1f}{extra}", file=sys.stderr, flush=True)
     return row
@@ -152,7 +222,7 @@ def _hf_run(model, prompts: list[list[int]], config, pad: int) -> dict:
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return {"tokens": (out.shape[1] - width) * len(prompts)}
+    return {"tokens": (out.shape[1] - width) * len(prompts), "ttft_ms": None}
 
 
 def streamed_weight_bytes(target) -> int:
@@ -174,7 +244,7 @@ def read_bandwidth_gb_s(nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> floa
 
 def _bandwidth_report(gb_s: float, weight_bytes: int, rows: list[dict]) -> dict:
     bound = gb_s * 1e9 / weight_bytes
-    achieved = {r["engine"]: r["tokens_per_s"] / bound for r in rows if r["batch_size"] == 1}
+    achieved = {r["engine"]: r["tokens_per_s"] / bound for r in rows if r["batch_size"] == 1}  # vLLM's too
     return {"read_gb_s": gb_s, "weight_bytes_per_forward": weight_bytes, "bound_tokens_per_s_batch1": bound,
             "achieved_over_bound_batch1": achieved}
 
@@ -192,38 +262,54 @@ def _memory_report(model_dir: Path, caches: dict) -> dict:
             "note": "measured after the native runs, before HF loads; the native engines share one target"}
 
 
+def engine_ratios(rows: list[dict], batch_sizes: list[int]) -> dict[str, dict[str, float | None]]:
+    """-> {"B": {ratio name: value}} for every RATIOS entry whose two engines were measured at B."""
+    value = {(r["engine"], r["batch_size"], metric): r.get(metric) for r in rows
+             for metric in ("tokens_per_s", "decode_tokens_per_s", "ttft_ms")}
+    return {str(b): {name: ratio(value[top, b, metric], value[bottom, b, metric])
+                     for name, metric, top, bottom in RATIOS
+                     if (top, b, metric) in value and (bottom, b, metric) in value}
+            for b in batch_sizes}
+
+
 def _result(settings: Settings, model_dir: Path, batch_sizes: list[int], new_tokens: int, rows: list[dict],
-            memory: dict, bandwidth: dict) -> dict:
+            memory: dict, bandwidth: dict, backends: tuple[str, ...]) -> dict:
     import transformers
 
-    speed = {(r["engine"], r["batch_size"]): r["tokens_per_s"] for r in rows}
-    ratios = {str(b): {"native_plain_over_hf": speed[NATIVE_PLAIN, b] / speed[HF, b],
-                       "native_spec_over_native_plain": speed[NATIVE_SPEC, b] / speed[NATIVE_PLAIN, b]}
-              for b in batch_sizes}
+    version = vllm_version()
     return {
         "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-        "model": settings.model, "model_dir": str(model_dir),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()},
-        "batch_sizes": batch_sizes, "new_tokens": new_tokens, "rows": rows, "ratios": ratios,
-        "bandwidth": bandwidth, "memory": memory,
-        "vllm": "installed, not measured here" if importlib.util.find_spec("vllm") else "not installed",
+        "model": settings.model, "model_dir": str(model_dir), "settings": settings_record(settings),
+        "backends": list(backends), "batch_sizes": batch_sizes, "new_tokens": new_tokens, "rows": rows,
+        "ratios": engine_ratios(rows, batch_sizes), "bandwidth": bandwidth, "memory": memory,
+        "vllm": {"version": version, "measured": VLLM in backends,
+                 "threads": f"{settings.threads} OpenMP threads, unpinned (VLLM_CPU_OMP_THREADS_BIND=nobind)",
+                 "speculation": f"EAGLE, fixed k = {settings.max_draft_tokens}", "drafter": settings.drafter},
     }
 
 
 def _print_table(result: dict) -> None:
-    print(f"{'engine':<13} {'B':>3} {'tok/s':>8} {'seconds':>8} {'acc.len':>8} {'accepted':>9}")
+    print(f"{'engine':<13} {'B':>3} {'tok/s':>8} {'decode':>8} {'TTFT ms':>8} {'seconds':>8} {'acc.len':>8} "
+          f"{'accepted':>9}")
     for r in result["rows"]:
         acc = f"{r['acceptance_length']:>8.2f} {r['accepted_fraction']:>9.1%}" if "acceptance_length" in r else ""
-        print(f"{r['engine']:<13} {r['batch_size']:>3} {r['tokens_per_s']:>8.1f} {r['seconds']:>8.2f} {acc}")
-    for b, ratio in result["ratios"].items():
-        print(f"B={b}: native_plain/hf {ratio['native_plain_over_hf']:.2f}x, "
-              f"native_spec/native_plain {ratio['native_spec_over_native_plain']:.2f}x")
+        ttft = "-" if r.get("ttft_ms") is None else f"{r['ttft_ms']:.0f}"
+        decode = "-" if r.get("decode_tokens_per_s") is None else f"{r['decode_tokens_per_s']:.1f}"
+        print(f"{r['engine']:<13} {r['batch_size']:>3} {r['tokens_per_s']:>8.1f} {decode:>8} {ttft:>8} "
+              f"{r['seconds']:>8.2f} {acc}")
+    print("(decode: tokens/s after the last first token, prefill left out)")
+    for b, ratios in result["ratios"].items():
+        print(f"B={b}: " + ", ".join(f"{name.replace('_over_', '/')} "
+                                      f"{'-' if value is None else format(value, '.2f')}x"
+                                      for name, value in ratios.items()))
     bw, mem = result["bandwidth"], result["memory"]
     print(f"bandwidth {bw['read_gb_s']:.1f} GB/s, {bw['weight_bytes_per_forward'] / 1e6:.0f} MB/forward -> "
           f"bound {bw['bound_tokens_per_s_batch1']:.1f} tok/s at B=1")
     print(f"peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB (limit 2 x model + KV = {mem['limit_bytes'] / 2**20:.0f} MiB: "
-          f"{'below' if mem['peak_rss_below_limit'] else 'ABOVE'}); vllm: {result['vllm']}")
+          f"{'below' if mem['peak_rss_below_limit'] else 'ABOVE'}); threads {result['threads']}; "
+          f"vllm {result['vllm']['version'] or 'not installed'}"
+          f"{'' if result['vllm']['measured'] else ', not measured'}")
 
 
 def _write_report(result: dict, out: Path) -> None:
@@ -234,25 +320,33 @@ def _write_report(result: dict, out: Path) -> None:
 
 
 def _plot(result: dict, path: Path) -> None:
-    """Grouped bars: tokens/s per engine per batch size; the B=1 bandwidth bound as a dashed line."""
+    """Grouped bars per batch size, one bar per engine: tokens/s (the B=1 bandwidth bound as a
+    dashed line) on the left, mean TTFT on the right (engines that stream)."""
     from matplotlib.figure import Figure
 
     rows, sizes = result["rows"], result["batch_sizes"]
     engines = list(dict.fromkeys(r["engine"] for r in rows))
-    speed = {(r["engine"], r["batch_size"]): r["tokens_per_s"] for r in rows}
-    fig = Figure(figsize=(9, 4.5))
-    ax = fig.subplots()
+    value = {(r["engine"], r["batch_size"], m): r.get(m) for r in rows for m in ("tokens_per_s", "ttft_ms")}
+    fig = Figure(figsize=(13, 4.5))
+    speed_ax, ttft_ax = fig.subplots(1, 2)
     width = 0.8 / len(engines)
     for i, engine in enumerate(engines):
         xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(sizes))]
-        ax.bar(xs, [speed[engine, b] for b in sizes], width, label=engine)
+        color = f"C{i}"
+        speed_ax.bar(xs, [value[engine, b, "tokens_per_s"] for b in sizes], width, label=engine, color=color)
+        ttft = [value.get((engine, b, "ttft_ms")) for b in sizes]
+        if any(t is not None for t in ttft):
+            ttft_ax.bar(xs, [t or 0.0 for t in ttft], width, label=engine, color=color)
     if 1 in sizes:
         bound, j = result["bandwidth"]["bound_tokens_per_s_batch1"], sizes.index(1)
-        ax.hlines(bound, j - 0.45, j + 0.45, colors="black", linestyles="--",
-                  label=f"bandwidth bound B=1 ({bound:.1f} tok/s)")
-    ax.set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"{result['model']}, {result['new_tokens']} new tokens, {result['threads']} threads")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        speed_ax.hlines(bound, j - 0.45, j + 0.45, colors="black", linestyles="--",
+                        label=f"bandwidth bound B=1 ({bound:.1f} tok/s)")
+    for ax, label in ((speed_ax, "tokens/s"), (ttft_ax, "mean TTFT (ms)")):
+        ax.set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
+        ax.set_ylabel(label)
+    speed_ax.set_title(f"{result['model']}, {result['new_tokens']} new tokens, {result['threads']} threads",
+                       fontsize="medium")
+    ttft_ax.set_title("time to first token (all B requests submitted at once)", fontsize="medium")
+    speed_ax.legend(fontsize="small", loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,4 +1,5 @@
-"""`specrl bench serve`: a live `specrl serve` under locust load, scenarios side by side in one run.
+"""`specrl bench serve`: a live `specrl serve` under locust load, scenarios side by side in one run,
+for each backend of `--backend native,vllm`.
 
 Scenarios, each `duration_s` seconds of `users` locust users (loadtest/locustfile.py: chat and
 text completions, streaming and not, 16-32 tokens):
@@ -11,16 +12,35 @@ text completions, streaming and not, 16-32 tokens):
 The swaps come from loadtest/swap_driver.py (two day-0 drafters, the model and a perturbed copy
 as policies, published in a temporary weights store). Per scenario: requests/s and completion
 tokens/s over the span of finished requests, p50/p99 TTFT and ITL (loadtest/locustfile.py says
-what they measure), failures, swap times, and for drafter swaps their visibility: ms from the
-admin call to the first response showing the new drafter in its fingerprint. Ratios: p99 ITL
-with swaps over baseline, and telemetry on over off throughput. The raw logs (requests, swaps,
-locust CSV, server logs) are kept in the report directory. Needs a source checkout: the
-locustfile and the swap driver live in loadtest/, outside the package.
+what they measure), failures, swap latency, for drafter swaps their visibility: ms from the
+admin call to the first response showing the new drafter in its fingerprint, and with
+telemetry what the server wrote to Redis during the scenario: segment records (stream
+entries) and the per-step events inside them, per second over the same span as requests/s
+(the records its sink dropped beside them). Ratios per
+backend: p99 ITL with swaps over baseline, telemetry on over off throughput; across backends:
+vLLM / native per scenario and metric.
+
+Swap latency, compared across backends, is the admin call's wall time as the swap driver sees
+it (verify against the manifest, load, apply). The servers' own `swap_ms` and `load_ms` are
+kept beside it but mean different things: native loads and checks on a worker thread
+(`load_ms`) and `swap_ms` is the wait for the next step boundary only (a "drain" policy swap
+lets running requests finish on the old weights, both models in memory); the vLLM backend
+pauses the engine (a "drain" policy swap: stops admitting and waits until every running
+request has finished), loads with layerwise reload and resumes, and its `swap_ms` spans all of it.
+
+Fairness: every backend serves the same model, drafter and store. Before each backend's
+servers start, the store's `current` pointers are set to the same published versions (the
+base policy and the first day-0 drafter), so swaps of one backend do not change what the next
+one starts with. Both get the same compute threads (`--threads`, default: vLLM's own default
+on CPU, all usable cores but one): native as torch threads, vLLM as OpenMP threads of its model
+worker, unpinned (`backends.vllm_env`); vLLM's API and engine-core processes come on top, as
+they do in production. The raw logs (requests, swaps, locust CSV, server logs) are kept in
+the report directory. Needs a source checkout: the locustfile and the swap driver live in
+loadtest/, outside the package.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -36,6 +56,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from specrl.bench.backends import NATIVE, VLLM, bench_threads, ratio, settings_record, vllm_env, vllm_version
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.launch import free_port, spawn, terminate, wait_healthy
@@ -43,6 +64,18 @@ from specrl.launch import free_port, spawn, terminate, wait_healthy
 LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 START_TIMEOUT_S = 600.0
+FLUSH_WAIT_S = 1.0  # after a scenario, for the servers' sinks to send what they queued
+# metrics compared across backends, vLLM over native (`metric` reads them from a row)
+CROSS_METRICS = ("requests_per_s", "tokens_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "swap_call_ms_p50",
+                 "drafter_visible_ms_p50", "events_per_s", "records_per_s")
+# (ratio name, metric, scenario over scenario) within one backend
+WITHIN_RATIOS = (
+    ("itl_p99_drafter_swaps_over_baseline", "itl_p99", "drafter_swaps", "baseline"),
+    ("itl_p99_policy_swaps_over_baseline", "itl_p99", "policy_swaps", "baseline"),
+    ("ttft_p99_policy_swaps_over_baseline", "ttft_p99", "policy_swaps", "baseline"),
+    ("requests_per_s_telemetry_on_over_off", "requests_per_s", "baseline", "telemetry_off"),
+    ("tokens_per_s_telemetry_on_over_off", "tokens_per_s", "baseline", "telemetry_off"),
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +95,10 @@ SCENARIOS = (
 )
 
 
-def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4, out_dir: str | None = None) -> dict:
-    """Run every scenario; print a table; write bench-serve.json and bench-serve.png. -> the report."""
+def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4, out_dir: str | None = None,
+                    backends: tuple[str, ...] = (NATIVE,)) -> dict:
+    """Run every scenario on every backend; print a table; write bench-serve.json and
+    bench-serve.png. -> the report."""
     from specrl.assets import resolve_model
 
     if duration_s < 2 or users < 1:
@@ -73,20 +108,25 @@ def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(settings.model, settings.home)
     redis_url = settings.redis_url or DEFAULT_REDIS
+    settings = settings.replace(threads=bench_threads(settings.threads))
     rows, timelines, servers = [], {}, []
     with tempfile.TemporaryDirectory(prefix="specrl-bench-serve-") as tmp:
         _progress(f"preparing weight versions of {settings.model} in {tmp}")
-        versions = driver.prepare_versions(Path(tmp) / "store", model_dir)
-        for telemetry in (False, True):
-            server = _Server.start(settings, Path(tmp) / "store", out, redis_url if telemetry else None)
-            try:
-                for scenario in (s for s in SCENARIOS if s.telemetry == telemetry):
-                    row, timelines[scenario.name] = _run_scenario(scenario, server, versions, duration_s, users,
-                                                                  out / scenario.name, driver, report)
-                    rows.append(row)
-            finally:
-                servers.append(server.stop())
-    result = _result(settings, model_dir, duration_s, users, versions, rows, servers, redis_url)
+        store = Path(tmp) / "store"
+        versions = driver.prepare_versions(store, model_dir)
+        for backend in backends:
+            _reset_current(store, versions)
+            for telemetry in (False, True):
+                server = _Server.start(settings, store, out, redis_url if telemetry else None, backend)
+                try:
+                    for scenario in (s for s in SCENARIOS if s.telemetry == telemetry):
+                        row, timelines[backend, scenario.name] = _run_scenario(
+                            scenario, server, versions, duration_s, users, out / backend / scenario.name, driver,
+                            report)
+                        rows.append(row)
+                finally:
+                    servers.append(server.stop())
+    result = _result(settings, model_dir, duration_s, users, versions, rows, servers, redis_url, backends)
     _print_table(result)
     (out / "bench-serve.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, timelines, out / "bench-serve.png")
@@ -105,6 +145,16 @@ def _loadtest(name: str):
     return module
 
 
+def _reset_current(store_root: Path, versions: dict[str, list[str]]) -> None:
+    """Point the store's `current` at the first prepared drafter and the base policy (the
+    model's own files): every backend's servers start from the same weights."""
+    from specrl.weights import WeightsStore
+
+    store = WeightsStore(store_root)
+    store.set_current("drafter", versions["drafter"][0])
+    store.set_current("policy", versions["policy"][-1])  # prepare_versions lists the base policy last
+
+
 def _progress(message: str) -> None:
     print(f"bench serve: {message}", file=sys.stderr, flush=True)
 
@@ -112,46 +162,96 @@ def _progress(message: str) -> None:
 # ---- one server --------------------------------------------------------------------------
 @dataclass
 class _Server:
+    backend: str
     url: str
     proc: subprocess.Popen
     log: Path
     token: str
     stream: str | None  # the Redis stream it writes to, None without telemetry
     redis_url: str | None
+    startup_s: float = 0.0
 
     @classmethod
-    def start(cls, settings: Settings, store: Path, out: Path, redis_url: str | None) -> "_Server":
-        """`specrl serve` on a free loopback port, with an admin token; waits until /health answers."""
+    def start(cls, settings: Settings, store: Path, out: Path, redis_url: str | None, backend: str) -> "_Server":
+        """`specrl serve --backend <backend>` on a free loopback port, with an admin token; waits
+        until /health answers."""
+        from specrl.telemetry.redis_sink import events_stream
+
         port = free_port()
         deployment, token = f"bench-{secrets.token_hex(6)}", secrets.token_hex(16)
-        log = out / f"serve-{'telemetry' if redis_url else 'no-telemetry'}-{port}.log"
-        args = ["serve", "--model", settings.model, "--home", str(settings.home), "--host", "127.0.0.1",
-                "--port", str(port), "--store", str(store), "--deployment", deployment, "--drafter", settings.drafter,
-                "--max-batch", str(settings.max_batch), "--max-draft-tokens", str(settings.max_draft_tokens),
-                "--threads", str(settings.threads)]
+        log = out / f"serve-{backend}-{'telemetry' if redis_url else 'no-telemetry'}-{port}.log"
+        args = ["serve", "--backend", backend, "--model", settings.model, "--home", str(settings.home),
+                "--host", "127.0.0.1", "--port", str(port), "--store", str(store), "--deployment", deployment,
+                "--drafter", settings.drafter, "--max-batch", str(settings.max_batch),
+                "--max-draft-tokens", str(settings.max_draft_tokens), "--threads", str(settings.threads)]
         args += ["--redis-url", redis_url] if redis_url else []
-        env = {**os.environ, "SPECRL_ADMIN_TOKEN": token}
+        env = {**os.environ, "SPECRL_ADMIN_TOKEN": token, **(vllm_env(settings.threads) if backend != NATIVE else {})}
         env.pop("SPECRL_REDIS_URL", None)  # telemetry off means off
-        _progress(f"starting server redis={redis_url or 'off'} log={log}")
+        _progress(f"starting server backend={backend} redis={redis_url or 'off'} log={log}")
+        started = time.perf_counter()
         proc = spawn(args, env, log)
-        server = cls(f"http://127.0.0.1:{port}", proc, log, token,
-                     f"specrl:{deployment}:events" if redis_url else None, redis_url)
+        server = cls(backend, f"http://127.0.0.1:{port}", proc, log, token,
+                     events_stream(deployment) if redis_url else None, redis_url)
         wait_healthy(server.url, proc, log, START_TIMEOUT_S)
+        server.startup_s = time.perf_counter() - started
+        _progress(f"server backend={backend} ready seconds={server.startup_s:.1f}")
         return server
 
+    def _redis(self):
+        import redis
+
+        return redis.Redis.from_url(self.redis_url)
+
+    def last_event_id(self) -> str | None:
+        """The id of the newest entry of its stream ("0-0" before the first; None without telemetry)."""
+        if not self.stream:
+            return None
+        entries = self._redis().xrevrange(self.stream, count=1)
+        return entries[0][0].decode() if entries else "0-0"
+
+    def events_since(self, last_id: str | None) -> tuple[int, int] | None:
+        """-> (segment records, step events in them) appended to its stream after `last_id`
+        (None without telemetry)."""
+        if last_id is None:
+            return None
+        from specrl.telemetry.record import SegmentRecord
+        from specrl.telemetry.redis_sink import RECORD_FIELD
+
+        entries = self._redis().xrange(self.stream, min=f"({last_id}", max="+")
+        steps = sum(len(SegmentRecord.from_msgpack(fields[RECORD_FIELD.encode()]).steps) for _, fields in entries)
+        return len(entries), steps
+
+    def records_dropped(self) -> float | None:
+        """The server's specrl_telemetry_records_dropped counter from /metrics (None when absent)."""
+        import httpx
+
+        try:
+            text = httpx.get(self.url + "/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return None
+        return prometheus_value(text, "specrl_telemetry_records_dropped_total")
+
     def stop(self, timeout: float = 60.0) -> dict:
-        """SIGTERM, wait; delete its Redis stream. -> {exit_code, log, error_lines}."""
+        """SIGTERM, wait; delete its Redis stream.
+        -> {backend, exit_code, log, startup_s, redis_records, error_lines}."""
         terminate(self.proc, timeout)
         records = None
         if self.stream:
-            import redis
-
-            client = redis.Redis.from_url(self.redis_url)
+            client = self._redis()
             records = client.xlen(self.stream)
             client.delete(self.stream)
         errors = [line for line in self.log.read_text().splitlines() if "level=ERROR" in line or "Traceback" in line]
-        return {"exit_code": self.proc.returncode, "log": str(self.log), "redis_records": records,
-                "error_lines": errors[:20]}
+        return {"backend": self.backend, "exit_code": self.proc.returncode, "log": str(self.log),
+                "startup_s": self.startup_s, "redis_records": records, "error_lines": errors[:20]}
+
+
+def prometheus_value(text: str, name: str) -> float | None:
+    """The value of the unlabelled sample `name` in Prometheus text exposition (None when absent)."""
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == name:
+            return float(parts[1])
+    return None
 
 
 # ---- one scenario ------------------------------------------------------------------------
@@ -162,12 +262,13 @@ def _run_scenario(scenario: Scenario, server: _Server, versions: dict, duration_
     requests_log, swaps_log, prefix = out / "requests.jsonl", out / "swaps.jsonl", out / "locust"
     for path in (requests_log, swaps_log):
         path.unlink(missing_ok=True)
-    _progress(f"scenario={scenario.name} duration={duration_s:g}s users={users} "
+    _progress(f"backend={server.backend} scenario={scenario.name} duration={duration_s:g}s users={users} "
               f"swaps={','.join(scenario.roles) or 'none'}" + (f" every {scenario.interval_s:g}s" if scenario.roles else ""))
     cmd = [sys.executable, "-m", "locust", "-f", str(LOADTEST / "locustfile.py"), "--headless", "-u", str(users),
            "-r", str(users), "-t", f"{duration_s:g}s", "--stop-timeout", "30", "--host", server.url,
            "--csv", str(prefix), "--only-summary"]
     stop = threading.Event()
+    last_event = server.last_event_id()
     with ThreadPoolExecutor(1) as pool:
         swapping = pool.submit(driver.run_swaps, server.url, server.token, versions, roles=scenario.roles,
                                modes=scenario.modes, interval_s=scenario.interval_s or duration_s,
@@ -178,17 +279,24 @@ def _run_scenario(scenario: Scenario, server: _Server, versions: dict, duration_
         finally:
             stop.set()
         swapping.result()
+    time.sleep(FLUSH_WAIT_S if server.stream else 0.0)
+    written = server.events_since(last_event)
     (out / "locust.log").write_text(locust.stdout + locust.stderr)
     requests, swaps = report.read_jsonl(requests_log), report.read_jsonl(swaps_log)
     ok = [r for r in requests if r["status"] == "ok"]
-    row = {"scenario": scenario.name, "telemetry": scenario.telemetry, "swap_roles": list(scenario.roles),
-           "swap_interval_s": scenario.interval_s or None, "locust_exit_code": locust.returncode,
-           "locust_failures": int(report.locust_aggregated(prefix)["Failure Count"]),
-           **report.summarize(requests, swaps), "version_problems": report.version_problems(ok, swaps)[:10],
-           "logs": str(out)}
-    _progress(f"scenario={scenario.name} requests={row['requests_ok']} failed={row['requests_failed']} "
-              f"req_per_s={row['requests_per_s']:.2f} tokens_per_s={row['tokens_per_s']:.1f} "
-              f"itl_p99_ms={_fmt(row['itl_ms']['p99'])} swaps={row['swaps']['ok']}/{row['swaps']['count']}")
+    summary = report.summarize(requests, swaps)
+    row = {"backend": server.backend, "scenario": scenario.name, "telemetry": scenario.telemetry,
+           "swap_roles": list(scenario.roles), "swap_interval_s": scenario.interval_s or None,
+           "locust_exit_code": locust.returncode,
+           "locust_failures": int(report.locust_aggregated(prefix)["Failure Count"]), **summary,
+           **scenario_extras(summary, swaps, written, report.percentile),
+           "telemetry_dropped_total": server.records_dropped() if server.stream else None,
+           "version_problems": report.version_problems(ok, swaps)[:10], "logs": str(out)}
+    _progress(f"backend={server.backend} scenario={scenario.name} requests={row['requests_ok']} "
+              f"failed={row['requests_failed']} req_per_s={row['requests_per_s']:.2f} "
+              f"tokens_per_s={row['tokens_per_s']:.1f} itl_p99_ms={_fmt(row['itl_ms']['p99'])} "
+              f"swaps={row['swaps']['ok']}/{row['swaps']['count']} swap_call_ms_p50={_fmt(row['swap_call_ms_p50'])} "
+              f"events_per_s={_fmt(row['events_per_s'])}")
     t0 = min((r["start"] for r in ok), default=time.time())
     timeline = {"requests": [(r["start"] - t0, r.get("ttft_ms"), max(r.get("itl_ms") or [0.0])) for r in ok
                              if r["stream"]],
@@ -196,35 +304,67 @@ def _run_scenario(scenario: Scenario, server: _Server, versions: dict, duration_
     return row, timeline
 
 
+def scenario_extras(summary: dict, swap_log: list[dict], written: tuple[int, int] | None, percentile) -> dict:
+    """The side-by-side numbers a scenario's summary does not hold: medians of the successful
+    swaps' admin call (wall time the caller waits: verify, load, apply; the one swap latency
+    both backends measure alike), of the server's own swap_ms and load_ms (their definitions
+    differ by backend: see the module doc) and of drafter visibility; and what reached Redis
+    (`written`: segment records, step events; None without telemetry), per second over the
+    requests' span."""
+    swaps = summary.get("swaps") or {}
+    calls = [(e["after"] - e["before"]) * 1000 for e in swap_log if e.get("event") == "swap" and e["status"] == 200]
+    seen = [v for v in summary.get("drafter_visibility_ms", []) if v is not None]
+    records, events = written or (None, None)
+    span = summary["span_s"]
+    return {"swap_call_ms_p50": percentile(calls, 50),
+            "swap_ms_p50": percentile([v for v in swaps.get("swap_ms", []) if v is not None], 50),
+            "load_ms_p50": percentile([v for v in swaps.get("load_ms", []) if v is not None], 50),
+            "drafter_visible_ms_p50": percentile(seen, 50), "records": records, "events": events,
+            "records_per_s": records / span if written and span else None,
+            "events_per_s": events / span if written and span else None}
+
+
 # ---- report ------------------------------------------------------------------------------
+def metric(row: dict | None, name: str) -> float | None:
+    """A scenario row's value: "ttft_p99" / "itl_p50" and the like from its percentiles, else the row's field."""
+    if row is None:
+        return None
+    kind, _, q = name.rpartition("_")
+    if kind in ("ttft", "itl"):
+        return row[f"{kind}_ms"][q]
+    return row.get(name)
+
+
+def serve_ratios(rows: list[dict]) -> dict:
+    """Per backend, the WITHIN_RATIOS; with both backends, vLLM / native per scenario for every
+    CROSS_METRICS entry. Missing rows or values give None."""
+    by = {(r["backend"], r["scenario"]): r for r in rows}
+    ratios: dict = {backend: {name: ratio(metric(by.get((backend, top)), m), metric(by.get((backend, bottom)), m))
+                              for name, m, top, bottom in WITHIN_RATIOS}
+                    for backend in dict.fromkeys(r["backend"] for r in rows)}
+    scenarios = [r["scenario"] for r in rows if r["backend"] == NATIVE and (VLLM, r["scenario"]) in by]
+    if scenarios:
+        ratios["vllm_over_native"] = {s: {m: ratio(metric(by[VLLM, s], m), metric(by[NATIVE, s], m))
+                                          for m in CROSS_METRICS} for s in scenarios}
+    return ratios
+
+
 def _result(settings: Settings, model_dir: Path, duration_s: float, users: int, versions: dict, rows: list[dict],
-            servers: list[dict], redis_url: str) -> dict:
+            servers: list[dict], redis_url: str, backends: tuple[str, ...]) -> dict:
     import torch
     import transformers
 
     from specrl import __version__
 
-    by = {r["scenario"]: r for r in rows}
-
-    def ratio(a, b):
-        return a / b if a is not None and b else None
-
-    base = by["baseline"]
-    ratios = {
-        "itl_p99_drafter_swaps_over_baseline": ratio(by["drafter_swaps"]["itl_ms"]["p99"], base["itl_ms"]["p99"]),
-        "itl_p99_policy_swaps_over_baseline": ratio(by["policy_swaps"]["itl_ms"]["p99"], base["itl_ms"]["p99"]),
-        "ttft_p99_policy_swaps_over_baseline": ratio(by["policy_swaps"]["ttft_ms"]["p99"], base["ttft_ms"]["p99"]),
-        "requests_per_s_telemetry_on_over_off": ratio(base["requests_per_s"], by["telemetry_off"]["requests_per_s"]),
-        "tokens_per_s_telemetry_on_over_off": ratio(base["tokens_per_s"], by["telemetry_off"]["tokens_per_s"]),
-    }
     return {
         "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
         "versions": {"specrl": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "locust": importlib.metadata.version("locust"), "python": sys.version.split()[0]},
+                     "locust": importlib.metadata.version("locust"), "vllm": vllm_version(),
+                     "python": sys.version.split()[0]},
         "model": settings.model, "model_dir": str(model_dir), "weights": versions, "redis_url": redis_url,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()
-                     if k != "admin_token"},
-        "duration_s": duration_s, "users": users, "scenarios": rows, "ratios": ratios, "servers": servers,
+        "settings": {k: v for k, v in settings_record(settings).items() if k != "admin_token"},
+        "backends": list(backends), "threads": settings.threads, "duration_s": duration_s, "users": users,
+        "scenarios": rows, "ratios": serve_ratios(rows), "servers": servers,
     }
 
 
@@ -233,17 +373,24 @@ def _fmt(value, spec: str = ".1f") -> str:
 
 
 def _print_table(result: dict) -> None:
-    print(f"{'scenario':<14} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>8} {'p99':>7} {'ITL p50':>7} {'p99':>7} "
-          f"{'acc.len':>7} {'fail':>4} {'swaps':>5} {'visible ms (median)':>19}")
+    print(f"{'backend':<7} {'scenario':<14} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>8} {'p99':>7} {'ITL p50':>7} "
+          f"{'p99':>7} {'acc.len':>7} {'fail':>4} {'swaps':>5} {'swap ms':>7} {'visible ms':>10} {'events/s':>8} "
+          f"{'rec/s':>6}")
     for r in result["scenarios"]:
-        seen = sorted(v for v in r.get("drafter_visibility_ms", []) if v is not None)
-        print(f"{r['scenario']:<14} {r['requests_per_s']:>6.2f} {r['tokens_per_s']:>7.1f} "
+        print(f"{r['backend']:<7} {r['scenario']:<14} {r['requests_per_s']:>6.2f} {r['tokens_per_s']:>7.1f} "
               f"{_fmt(r['ttft_ms']['p50']):>8} {_fmt(r['ttft_ms']['p99']):>7} {_fmt(r['itl_ms']['p50']):>7} "
               f"{_fmt(r['itl_ms']['p99']):>7} {_fmt(r['mean_acceptance_length'], '.2f'):>7} "
-              f"{r['requests_failed'] + r['locust_failures']:>4} "
-              f"{r['swaps']['ok']:>5} {_fmt(seen[len(seen) // 2] if seen else None):>19}")
-    for name, value in result["ratios"].items():
-        print(f"{name}: {_fmt(value, '.2f')}")
+              f"{r['requests_failed'] + r['locust_failures']:>4} {r['swaps']['ok']:>5} "
+              f"{_fmt(r['swap_call_ms_p50']):>7} "
+              f"{_fmt(r['drafter_visible_ms_p50']):>10} {_fmt(r['events_per_s']):>8} {_fmt(r['records_per_s']):>6}")
+    print("(medians: swap ms = the admin call, visible ms = until a response shows the new drafter; events: the "
+          "per-step records inside the segment records (rec) sent to Redis)")
+    for group, ratios in result["ratios"].items():
+        if group == "vllm_over_native":
+            for scenario, values in ratios.items():
+                print(f"vllm/native {scenario}: " + ", ".join(f"{m} {_fmt(v, '.2f')}" for m, v in values.items()))
+        else:
+            print(f"{group}: " + ", ".join(f"{name} {_fmt(v, '.2f')}" for name, v in ratios.items()))
 
 
 def _plot(result: dict, timelines: dict, path: Path) -> None:
@@ -259,7 +406,7 @@ def _plot(result: dict, timelines: dict, path: Path) -> None:
     for i, row in enumerate(rows):
         ax = fig.add_subplot(grid[i, 0], sharex=first)
         first = first or ax
-        line = timelines[row["scenario"]]
+        line = timelines[row["backend"], row["scenario"]]
         points = line["requests"]
         ax.scatter([p[0] for p in points if p[1] is not None], [p[1] for p in points if p[1] is not None], s=6,
                    label="TTFT")
@@ -272,17 +419,18 @@ def _plot(result: dict, timelines: dict, path: Path) -> None:
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel("ms")
-        ax.set_title(row["scenario"], fontsize="small", loc="left")
+        ax.set_title(f"{row['backend']} {row['scenario']}", fontsize="small", loc="left")
         ax.legend(fontsize="x-small", loc="upper right")
     ax.set_xlabel("seconds since the scenario's first request")
     bars = fig.add_subplot(grid[:, 1])
-    names = [r["scenario"] for r in rows]
-    drawn = bars.bar(names, [r["requests_per_s"] for r in rows], color="tab:blue")
+    names = [f"{r['backend']} {r['scenario']}" for r in rows]
+    colors = {b: f"C{i}" for i, b in enumerate(dict.fromkeys(r["backend"] for r in rows))}
+    drawn = bars.bar(names, [r["requests_per_s"] for r in rows], color=[colors[r["backend"]] for r in rows])
     for rect, r in zip(drawn, rows):
         bars.annotate(f"{r['tokens_per_s']:.0f} tok/s", (rect.get_x() + rect.get_width() / 2, rect.get_height()),
                       ha="center", va="bottom", fontsize="small")
     bars.set_ylabel("requests/s")
-    bars.tick_params(axis="x", labelrotation=30)
+    bars.tick_params(axis="x", labelrotation=60)
     bars.set_title(f"{result['model']}, {result['users']} users, {result['duration_s']:g} s each", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -18,12 +18,17 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
     report = json.loads((tmp_path / "bench-engine.json").read_text())
     assert report["batch_sizes"] == [1, 2] and report["new_tokens"] == 8
     assert report["model"] == "tiny-random" and report["threads"] >= 1 and report["command"]
-    assert report["vllm"] in ("not installed", "installed, not measured here")
+    assert report["backends"] == ["native"] and report["vllm"]["measured"] is False
     rows = {(r["engine"], r["batch_size"]): r for r in report["rows"]}
     assert set(rows) == {(e, b) for e in (NATIVE_PLAIN, NATIVE_SPEC, HF) for b in (1, 2)}
     for (engine, b), row in rows.items():
         assert row["tokens"] == b * 8
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+        if engine == HF:
+            assert row["ttft_ms"] is None  # generate returns at the end
+        else:
+            assert 0 < row["ttft_ms"] <= row["ttft_ms_max"] <= row["seconds"] * 1000
+            assert row["decode_tokens_per_s"] is None or row["decode_tokens_per_s"] > 0
     for b in (1, 2):
         spec = rows[NATIVE_SPEC, b]
         assert spec["acceptance_length"] >= 1.0 and 0.0 <= spec["accepted_fraction"] <= 1.0
@@ -48,3 +53,35 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
     assert height > 100 and width > 100
     out = capsys.readouterr().out
     assert "native_plain" in out and str(tmp_path / "bench-engine.json") in out
+
+
+def test_ratios_vllm_over_native_only_where_both_ran():
+    from specrl.bench.engine import engine_ratios
+    from specrl.bench.vllm_engine import VLLM_PLAIN, VLLM_SPEC
+
+    def row(engine, b, tps, ttft):
+        return {"engine": engine, "batch_size": b, "tokens_per_s": tps, "decode_tokens_per_s": 2 * tps, "ttft_ms": ttft}
+
+    rows = [row(NATIVE_PLAIN, 1, 40.0, 50.0), row(NATIVE_SPEC, 1, 20.0, 60.0), row(HF, 1, 10.0, None),
+            row(VLLM_PLAIN, 1, 10.0, 100.0), row(VLLM_SPEC, 1, 5.0, 30.0), row(NATIVE_PLAIN, 8, 80.0, 5.0)]
+    ratios = engine_ratios(rows, [1, 8])
+    assert ratios["1"] == pytest.approx({
+        "native_plain_over_hf": 4.0, "native_spec_over_native_plain": 0.5, "vllm_plain_over_native_plain": 0.25,
+        "vllm_spec_over_native_spec": 0.25, "vllm_spec_over_vllm_plain": 0.5,
+        "decode_vllm_plain_over_native_plain": 0.25, "decode_vllm_spec_over_native_spec": 0.25,
+        "ttft_vllm_plain_over_native_plain": 2.0, "ttft_vllm_spec_over_native_spec": 0.5})
+    assert ratios["8"] == {}
+
+
+def test_vllm_child_failure_names_its_log(tmp_path, capsys):
+    import sys
+
+    from specrl.bench.vllm_engine import _run_child
+    from specrl.errors import SpecrlError
+
+    log = tmp_path / "child.log"
+    script = "print('vllm noise'); print('bench engine=vllm_plain B=1 tokens=3'); raise SystemExit(3)"
+    with pytest.raises(SpecrlError, match="exited with 3; see .*child.log"):
+        _run_child([sys.executable, "-c", script], {}, log)
+    assert capsys.readouterr().err.endswith("bench engine=vllm_plain B=1 tokens=3\n")  # progress passed on
+    assert log.read_text() == "vllm noise\nbench engine=vllm_plain B=1 tokens=3\n"

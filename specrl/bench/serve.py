@@ -185,7 +185,9 @@ class _Server:
                 "--drafter", settings.drafter, "--max-batch", str(settings.max_batch),
                 "--max-draft-tokens", str(settings.max_draft_tokens), "--threads", str(settings.threads)]
         args += ["--redis-url", redis_url] if redis_url else []
-        env = {**os.environ, "SPECRL_ADMIN_TOKEN": token, **(vllm_env(settings.threads) if backend != NATIVE else {})}
+        env = {**os.environ, "SPECRL_ADMIN_TOKEN": token}
+        if backend != NATIVE:  # its exported drafters go to the bench's temporary directory, removed at the end
+            env.update(vllm_env(settings.threads), TMPDIR=str(store.parent))
         env.pop("SPECRL_REDIS_URL", None)  # telemetry off means off
         _progress(f"starting server backend={backend} redis={redis_url or 'off'} log={log}")
         started = time.perf_counter()

@@ -8,11 +8,19 @@
 Rollouts are produced continuously in a background thread while the policy trains (asynchronous,
 as in slime), so a rollout can be one or more versions behind: the staleness bound in GRPO drops
 what is too old. Every `eval_every` steps the serving policy answers held-out tasks greedily and
-the environment scores them: the reward curve over policy versions.
+the environment scores them: the reward curve over policy versions. Rollouts pause while an
+evaluation runs, so the server's counters over that stretch hold evaluation tokens only and the
+acceptance measured on rollouts is not mixed with greedy answers.
+
+The report (`rl_report`): reward per policy version; acceptance length over time from /metrics
+samples (every `sample_every_s`, and right before and after each swap), with the rollout tokens
+each policy swap took to bring it back within 10% of its pre-swap value; and, at the end, rollout
+tokens/s with and without speculation on the final policy (`_measure_speed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -28,19 +36,28 @@ from pathlib import Path
 
 from specrl.assets import resolve_model
 from specrl.config import Settings
-from specrl.launch import spawn, terminate, wait_healthy
+from specrl.errors import SpecrlError
+from specrl.launch import free_port, spawn, terminate, wait_healthy
 from specrl.trainer.envs import make_env, safe_score
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
-from specrl.trainer.rollout import RolloutClient, mean_and_ci, task_messages
+from specrl.trainer.rl_report import acceptance_recovery, recovery_summary, write_report
+from specrl.trainer.rollout import TEMPERATURE, RolloutClient, mean_and_ci, task_messages
 from specrl.up import Redis, rates, sample_metrics
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.trainer.rl")
+SPEED_METHOD = ("final policy; the live server (drafter, adaptive k) vs a second server on the same store with "
+                "--drafter none; the same held-out tasks sent as rollouts are (one request at a time, n samples, "
+                "same max_tokens and temperature, fixed seeds), one warm-up each, rounds in alternating order; "
+                "tokens/s = completion tokens / summed request time")
 
 
 def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int = 4, tasks_per_step: int = 4,
            publish_every: int = 2, eval_every: int = 4, eval_tasks: int = 24, max_tokens: int = 64,
-           config: GRPOConfig | None = None, out_dir: str | None = None) -> dict:
+           config: GRPOConfig | None = None, out_dir: str | None = None, window_tokens: int = 256,
+           sample_every_s: float = 1.0, speed_tasks: int = 8, speed_rounds: int = 2) -> dict:
+    """`window_tokens`: the acceptance window of the recovery measure (`rl_report.acceptance_recovery`);
+    `speed_tasks` x `speed_rounds`: the rollout speed measurement at the end (`_measure_speed`)."""
     run_dir = Path(out_dir) if out_dir else settings.home / "runs" / time.strftime(f"rl-{env_name}-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -53,7 +70,7 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
     env_vars = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
     common = ["--model", settings.model, "--redis-url", redis.url, "--deployment", settings.deployment,
               "--store", str(settings.store_path)]
-    children, stop = [], threading.Event()
+    children, stop, pause = [], threading.Event(), _Pause()
     report = {"command": sys.argv, "env": env_name, "model": settings.model, "steps": [], "evals": [], "samples": [],
               "publishes": []}
     try:
@@ -65,12 +82,20 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         trainer = GRPOTrainer(model_dir, config or GRPOConfig())
         client = RolloutClient(url, settings.model, n=group_size, max_tokens=max_tokens)
         rollouts: queue.Queue = queue.Queue(maxsize=2 * tasks_per_step)
-        producer = threading.Thread(target=_produce, args=(env, client, rollouts, stop, settings.seed), daemon=True)
-        producer.start()
-        heldout = list(itertools.islice(env.tasks("heldout", settings.seed), eval_tasks))
+        heldout = list(itertools.islice(env.tasks("heldout", settings.seed), max(eval_tasks, speed_tasks)))
         started = time.monotonic()
-        report["evals"].append(_evaluate(env, client, heldout, trainer.version, started))
-        previous = sample_metrics(url, started)
+        samples = _Samples(url, started, report["samples"])
+        producer = threading.Thread(target=_produce, args=(env, client, rollouts, stop, pause, settings.seed),
+                                    daemon=True)
+        sampler = threading.Thread(target=samples.run, args=(stop, sample_every_s), daemon=True)
+        producer.start()
+        sampler.start()
+
+        def evaluate() -> dict:  # rollouts held back: the interval holds evaluation tokens only
+            with pause, samples.evaluation():
+                return _evaluate(env, client, heldout[:eval_tasks], trainer.version, started)
+
+        report["evals"].append(evaluate())
         while time.monotonic() - started < minutes * 60 and all(c.poll() is None for c in children):
             batch = [r for _ in range(tasks_per_step) for r in rollouts.get()]
             stats = trainer.step(batch)
@@ -79,31 +104,148 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
             report["steps"].append(entry)
             log.info("event=grpo_step %s", " ".join(f"{k}={v}" for k, v in entry.items()))
             if stats.trained and trainer.steps % publish_every == 0:
-                _publish(trainer, store, url, token, report, started)
-            if trainer.steps and trainer.steps % eval_every == 0:
-                report["evals"].append(_evaluate(env, client, heldout, trainer.version, started))
-            sample = sample_metrics(url, started)
-            if sample and previous:
-                report["samples"].append({**sample, **rates(previous, sample)})
-            previous = sample or previous
-        report["evals"].append(_evaluate(env, client, heldout, trainer.version, started))
+                _publish(trainer, store, url, token, report, started, samples)
+            if stats.trained and trainer.steps % eval_every == 0:
+                report["evals"].append(evaluate())
+        report["evals"].append(evaluate())
         report["rollout_tokens_per_s"] = client.tokens / client.seconds if client.seconds else None
+        stop.set()
+        producer.join()  # the rollout in flight finishes; no other starts
+        sampler.join()
+        terminate(children[1])  # the drafter trainer: nothing but the measured requests runs from here
+        report["speed"] = _measure_speed(settings, [*common, "--redis-url", ""], env_vars, run_dir, url,
+                                         heldout[:speed_tasks], n=group_size, max_tokens=max_tokens,
+                                         rounds=speed_rounds)
     finally:
         stop.set()
         for child in reversed(children):
             terminate(child)
         redis.stop()
-    _write_report(run_dir, report)
+    report["recovery"] = recovery_summary(acceptance_recovery(report["samples"], window_tokens=window_tokens),
+                                          window_tokens=window_tokens)
+    write_report(run_dir, report)
     return report
 
 
-def _produce(env, client: RolloutClient, out: queue.Queue, stop: threading.Event, seed: int) -> None:
+class _Pause:
+    """The main thread holds rollouts back (evaluations, the end of the run) with `with pause:`,
+    which waits for the rollout in flight; the producer starts none until the block ends."""
+
+    def __init__(self):
+        self.requested = threading.Event()
+        self.busy = threading.Lock()
+
+    def __enter__(self):
+        self.requested.set()
+        self.busy.acquire()
+
+    def __exit__(self, *exc):
+        self.busy.release()
+        self.requested.clear()
+
+    def rollout(self, stop: threading.Event) -> threading.Lock:
+        """The producer's side: hold this while one rollout request runs."""
+        while self.requested.is_set() and not stop.is_set():
+            stop.wait(0.05)
+        return self.busy
+
+
+class _Samples:
+    """/metrics samples every `every_s` on a thread, and one before and after each swap and
+    evaluation (`take`), appended to `items` with rates since the previous one. `eval: True`
+    marks an interval during which only evaluation requests ran."""
+
+    def __init__(self, url: str, started: float, items: list[dict]):
+        self.url, self.started, self.items = url, started, items
+        self.lock = threading.Lock()
+        self.evaluating = False
+
+    def take(self, evaluation: bool = False) -> None:
+        with self.lock:
+            sample = sample_metrics(self.url, self.started)
+            if sample is None:
+                return
+            sample["eval"] = evaluation or self.evaluating  # read after the scrape: see `evaluation`
+            if self.items:
+                sample.update(rates(self.items[-1], sample))
+            self.items.append(sample)
+
+    @contextlib.contextmanager
+    def evaluation(self):
+        """Samples at both ends; the flag is set before the first evaluation request and cleared after the last."""
+        self.take()
+        self.evaluating = True
+        try:
+            yield
+        finally:
+            self.take(evaluation=True)
+            self.evaluating = False
+
+    def run(self, stop: threading.Event, every_s: float) -> None:
+        while not stop.wait(every_s):
+            self.take()
+
+
+def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir: Path, url: str, tasks: list, *,
+                   n: int, max_tokens: int, rounds: int) -> dict:
+    """Rollout tokens/s with and without speculation, side by side, on the final policy.
+
+    Method: after training has stopped (no rollouts, no evaluations, the drafter trainer ended), a
+    second server starts on the same weights store with `--drafter none`, so it serves the same
+    current policy with no drafter at all (the plain k = 0 decode path; not a switch inside the
+    speculating server, which would still carry the drafter's bookkeeping and would set k for the
+    whole batch). Both get the same held-out tasks the way training rollouts are sent: one request
+    at a time, n samples each, the same max_tokens, temperature and log-prob/token-id options,
+    with fixed seeds. Each server answers one untimed warm-up request; then rounds alternate
+    the order (A B, B A, ...) so drift in machine load falls on both. tokens/s = completion tokens
+    / summed request wall time (sampled completions can differ in length; the rate accounts for it).
+    """
+    port = free_port()
+    plain_url, log_path = f"http://{settings.host}:{port}", run_dir / "server-no-speculation.log"
+    try:
+        server = spawn(["serve", *flags, "--drafter", "none", "--port", str(port), "--host", settings.host], env_vars,
+                       log_path)
+    except OSError as exc:
+        return {"error": repr(exc)}
+    clients = {"with_speculation": RolloutClient(url, settings.model, n=n, max_tokens=max_tokens),
+               "without_speculation": RolloutClient(plain_url, settings.model, n=n, max_tokens=max_tokens)}
+    messages = [task_messages(task) for task in tasks]
+    try:
+        wait_healthy(plain_url, server, log_path)
+        for client in clients.values():
+            client.complete(messages[0], n=n, temperature=TEMPERATURE, seed=settings.seed)
+            client.tokens, client.seconds = 0, 0.0
+        before = sample_metrics(url, 0.0)
+        for r in range(rounds):
+            for client in list(clients.values())[:: 1 if r % 2 == 0 else -1]:
+                for i, m in enumerate(messages):
+                    client.complete(m, n=n, temperature=TEMPERATURE, seed=settings.seed + i * n)
+        after, plain = sample_metrics(url, 0.0), sample_metrics(plain_url, 0.0)
+        if before is None or after is None or plain is None:
+            raise OSError("a server did not answer /metrics")
+    except (SpecrlError, OSError) as exc:
+        log.error("event=speed_measurement_failed error=%r", exc)
+        return {"error": repr(exc)}
+    finally:
+        terminate(server)
+    arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
+                   "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0} for name, c in clients.items()}
+    arms["with_speculation"]["acceptance_length"] = rates(before, after)["acceptance_length"]
+    off = arms["without_speculation"]["tokens_per_s"]
+    return {**arms, "ratio": arms["with_speculation"]["tokens_per_s"] / off if off else None,
+            "policy": after["policy"], "policy_without": plain["policy"], "drafter": after["drafter"],
+            "tasks": len(tasks), "samples_per_task": n, "max_tokens": max_tokens, "temperature": TEMPERATURE,
+            "rounds": rounds, "method": SPEED_METHOD}
+
+
+def _produce(env, client: RolloutClient, out: queue.Queue, stop: threading.Event, pause: _Pause, seed: int) -> None:
     """Sample and score groups continuously; the queue bound keeps them from running far ahead."""
     for group, task in enumerate(env.tasks("train", seed)):
-        if stop.is_set():
-            return
         try:
-            rollouts = client.sample(env, task, group, lambda e, t, text: safe_score(e, t, text, timeout_s=10.0))
+            with pause.rollout(stop):
+                if stop.is_set():
+                    return
+                rollouts = client.sample(env, task, group, lambda e, t, text: safe_score(e, t, text, timeout_s=10.0))
         except OSError as exc:
             log.warning("event=rollout_failed error=%r", exc)
             stop.wait(1.0)
@@ -116,7 +258,9 @@ def _produce(env, client: RolloutClient, out: queue.Queue, stop: threading.Event
                 continue
 
 
-def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, report: dict, started: float) -> None:
+def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, report: dict, started: float,
+             samples: _Samples) -> None:
+    """Store the policy and swap it in (interrupt), with a metrics sample right before and after the swap."""
     try:
         version = trainer.publish(store, {"step": trainer.steps})
     except FloatingPointError as exc:
@@ -126,8 +270,10 @@ def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, re
     body = json.dumps({"role": "policy", "version": version, "mode": "interrupt"}).encode()
     request = urllib.request.Request(url + "/admin/weights", data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    samples.take()
     with urllib.request.urlopen(request, timeout=300) as resp:
         result = json.loads(resp.read())
+    samples.take()
     report["publishes"].append({"t": round(time.monotonic() - started, 1), "version": version,
                                 "load_ms": result["load_ms"], "swap_ms": result["swap_ms"]})
     log.info("event=policy_swap version=%s load_ms=%s swap_ms=%s", version, result["load_ms"], result["swap_ms"])
@@ -145,27 +291,3 @@ def _evaluate(env, client: RolloutClient, tasks: list, version: str, started: fl
     log.info("event=eval policy=%s reward=%.3f ci95=%.3f n=%d", version, mean, ci, len(rewards))
     return {"t": round(time.monotonic() - started, 1), "policy": version, "reward": mean, "ci95": ci,
             "n": len(rewards)}
-
-
-def _write_report(run_dir: Path, report: dict) -> None:
-    (run_dir / "rl-report.json").write_text(json.dumps(report, indent=2, default=str))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6))
-    evals = report["evals"]
-    ax1.errorbar(range(len(evals)), [e["reward"] for e in evals], yerr=[e["ci95"] or 0 for e in evals], marker="o")
-    ax1.set_xticks(range(len(evals)), [e["policy"] for e in evals], fontsize=7)
-    ax1.set_ylabel(f"held-out reward ({report['env']})")
-    samples = report["samples"]
-    ax2.plot([s["t"] for s in samples], [s.get("acceptance_length") or 1.0 for s in samples])
-    for publish in report["publishes"]:
-        ax2.axvline(publish["t"], color="tab:red", linestyle="--", alpha=0.5)
-    ax2.set_xlabel("seconds (dashed: policy swaps)")
-    ax2.set_ylabel("acceptance length")
-    fig.tight_layout()
-    fig.savefig(run_dir / "rl-report.png", dpi=100)
-    plt.close(fig)
-    print(f"specrl rl: report {run_dir / 'rl-report.json'} and {run_dir / 'rl-report.png'}", file=sys.stderr)

@@ -10,6 +10,8 @@ import urllib.request
 
 from specrl.trainer.grpo import Rollout
 
+TEMPERATURE = 1.0  # rollouts sample the policy itself, so recorded log-probs are the policy's own
+
 
 def task_messages(task) -> list[dict]:
     messages = getattr(task, "messages", None)
@@ -23,9 +25,11 @@ class RolloutClient:
         self.tokens = 0
         self.seconds = 0.0
 
-    def complete(self, messages: list[dict], *, n: int, temperature: float) -> dict:
+    def complete(self, messages: list[dict], *, n: int, temperature: float, seed: int | None = None) -> dict:
         body = {"model": self.model, "messages": messages, "n": n, "max_tokens": self.max_tokens,
                 "temperature": temperature, "logprobs": True, "top_logprobs": 0, "return_token_ids": True}
+        if seed is not None:
+            body["seed"] = seed
         request = urllib.request.Request(self.url, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         started = time.perf_counter()
@@ -36,8 +40,8 @@ class RolloutClient:
         return data
 
     def sample(self, env, task, group: int, score) -> list[Rollout]:
-        """n samples at temperature 1 (so recorded log-probs are the policy's own), each scored."""
-        data = self.complete(task_messages(task), n=self.n, temperature=1.0)
+        """n samples at TEMPERATURE, each scored."""
+        data = self.complete(task_messages(task), n=self.n, temperature=TEMPERATURE)
         rollouts = []
         for choice, versions in zip(data["choices"], data["specrl"]["versions"]):
             text = choice["message"]["content"]

@@ -1,4 +1,5 @@
-"""A short `specrl rl` loop on the tiny model: versions advance, swaps happen, nothing fails."""
+"""A short `specrl rl` loop on the tiny model: versions advance, swaps happen, nothing fails, and the
+report has acceptance recovery per swap and rollout tokens/s with and without speculation."""
 
 import uuid
 
@@ -19,9 +20,10 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
     settings = Settings.load(home=home, model="tiny-random", deployment=deployment, redis_url=REDIS_URL,
                              port=free_port(), store=str(tmp_path / "store"))
     try:
-        report = run_rl(settings, env_name="arithmetic", minutes=0.5, group_size=3, tasks_per_step=2,
+        report = run_rl(settings, env_name="format", minutes=0.5, group_size=3, tasks_per_step=2,
                         publish_every=1, eval_every=2, eval_tasks=4, max_tokens=8,
-                        config=GRPOConfig(lr=1e-4, max_lag=1), out_dir=str(tmp_path / "run"))
+                        config=GRPOConfig(lr=1e-4, max_lag=1), out_dir=str(tmp_path / "run"), window_tokens=16,
+                        sample_every_s=0.5, speed_tasks=2, speed_rounds=1)
     finally:
         redis.Redis.from_url(REDIS_URL).delete(f"specrl:{deployment}:events", f"specrl:{deployment}:events:dead")
     published = [p["version"] for p in report["publishes"] if "version" in p]
@@ -32,6 +34,19 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
     if published:
         assert report["evals"][-1]["policy"] == published[-1]
     assert all(0.0 <= e["reward"] <= 1.0 for e in report["evals"])
-    logs = (tmp_path / "run" / "server.log").read_text() + (tmp_path / "run" / "drafter-trainer.log").read_text()
+    # one recovery entry per policy swap seen in the /metrics samples, the last swap included
+    recovery = report["recovery"]
+    assert len(recovery["swaps"]) == len(published) and recovery["window_tokens"] == 16
+    for swap in recovery["swaps"]:
+        assert swap["recovered"] in (True, False, None) and swap["tokens_seen"] >= 0
+        assert swap["pre"] is None or swap["pre"] >= 1.0
+        assert (swap["tokens_to_recover"] is not None) == bool(swap["recovered"])
+    assert any(s["eval"] for s in report["samples"]) and not all(s["eval"] for s in report["samples"])
+    speed = report["speed"]
+    assert speed["ratio"] > 0 and speed["policy"] == speed["policy_without"] == report["evals"][-1]["policy"]
+    for arm in ("with_speculation", "without_speculation"):
+        assert speed[arm]["tokens"] > 0 and speed[arm]["tokens_per_s"] > 0
+    logs = "".join((tmp_path / "run" / name).read_text()
+                   for name in ("server.log", "drafter-trainer.log", "server-no-speculation.log"))
     assert "Traceback" not in logs
     assert (tmp_path / "run" / "rl-report.png").read_bytes()[:4] == b"\x89PNG"

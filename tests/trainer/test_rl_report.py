@@ -1,0 +1,78 @@
+"""Acceptance recovery after policy swaps, on hand-built /metrics counter sequences."""
+
+import pytest
+
+from specrl.trainer.rl_report import acceptance_recovery, recovery_summary, summary_lines, write_report
+
+
+def _samples(*intervals, first: str = "v0"):
+    """Cumulative counter samples, one a second, from (policy, steps, accepted[, eval]) per interval;
+    each verify step emits its accepted drafts plus one token. The first sample is on `first`."""
+    samples = [{"t": 0.0, "policy": first, "tokens": 0.0, "steps": 0.0, "accepted": 0.0}]
+    for i, (policy, steps, accepted, *evaluation) in enumerate(intervals, 1):
+        last = samples[-1]
+        samples.append({"t": float(i), "policy": policy, "tokens": last["tokens"] + steps + accepted,
+                        "steps": last["steps"] + steps, "accepted": last["accepted"] + accepted,
+                        "eval": bool(evaluation and evaluation[0])})
+    return samples
+
+
+BEFORE = [("v0", 50, 50)] * 4  # 100 tokens each at acceptance length 2.0
+SWAP = ("v1", 5, 0)  # the interval in which the policy changed: counted on neither side
+
+
+def test_recovers_when_a_window_of_tokens_is_back_within_ten_percent():
+    samples = _samples(*BEFORE, SWAP, ("v1", 100, 20), ("v1", 80, 40), ("v1", 60, 60), ("v1", 60, 60))
+    [swap] = acceptance_recovery(samples, window_tokens=200)
+    assert (swap["from"], swap["to"], swap["t"]) == ("v0", "v1", 5.0)
+    assert swap["pre"] == pytest.approx(2.0)
+    assert swap["after"] == pytest.approx(240 / 180)  # the first 240 tokens after the swap interval
+    # windows of >= 200 tokens: 1.33, 1.71 (240/140), then 2.0 >= 0.9 * 2.0 after 4 x 120 tokens
+    assert swap["recovered"] is True and swap["tokens_to_recover"] == 480
+    assert swap["t_recovered"] == 9.0 and swap["recovered_value"] == pytest.approx(2.0)
+    assert swap["tokens_seen"] == 480
+
+
+def test_not_recovered_before_the_next_swap_and_the_next_swap_measured_on_its_own():
+    samples = _samples(*BEFORE, SWAP, ("v1", 100, 20), ("v1", 100, 20), ("v2", 5, 0), ("v2", 50, 50))
+    first, second = acceptance_recovery(samples, window_tokens=200)
+    assert first["recovered"] is False and first["tokens_to_recover"] is None
+    assert first["tokens_seen"] == 240 and first["after"] == pytest.approx(1.2)
+    assert second["pre"] == pytest.approx(1.2) and second["recovered"] is False  # 100 tokens: no full window
+    summary = recovery_summary([first, second], window_tokens=200)
+    assert (summary["recovered"], summary["not_recovered"], summary["max_tokens_to_recover"]) == (0, 2, None)
+
+
+def test_no_swaps_no_entries():
+    assert acceptance_recovery(_samples(*BEFORE), window_tokens=200) == []
+    assert acceptance_recovery(_samples(("v0", 1, 0)), window_tokens=1) == []
+    assert recovery_summary([], window_tokens=200)["swaps"] == []
+
+
+def test_evaluation_intervals_and_counter_resets_are_left_out():
+    samples = _samples(*BEFORE, SWAP, ("v1", 100, 20), ("v1", 10, 290, True), ("v1", 100, 20),
+                       ("v1", 60, 60), ("v1", 60, 60))
+    samples[-1] = {**samples[-1], "tokens": 0.0, "steps": 0.0, "accepted": 0.0}  # the server restarted
+    [swap] = acceptance_recovery(samples, window_tokens=200)
+    assert swap["after"] == pytest.approx(1.2)  # the greedy evaluation's 3.0 is not a rollout window
+    assert swap["recovered"] is False and swap["tokens_seen"] == 360
+
+
+def test_unknown_when_nothing_was_measured_before_the_swap():
+    [swap] = acceptance_recovery(_samples(SWAP, ("v1", 50, 50)), window_tokens=50)
+    assert swap["pre"] is None and swap["recovered"] is None and swap["after"] == pytest.approx(2.0)
+    assert recovery_summary([swap], window_tokens=50)["unknown"] == 1
+
+
+def test_report_files_and_summary(tmp_path, capsys):
+    samples = _samples(*BEFORE, SWAP, ("v1", 100, 20), ("v1", 60, 60), ("v1", 60, 60))
+    swaps = acceptance_recovery(samples, window_tokens=100)
+    speed = {"with_speculation": {"tokens_per_s": 150.0}, "without_speculation": {"tokens_per_s": 100.0},
+             "ratio": 1.5, "tasks": 8, "samples_per_task": 4, "rounds": 2, "policy": "v1"}
+    report = {"env": "arithmetic", "evals": [{"policy": "base", "reward": 0.5, "ci95": 0.1}], "samples": samples,
+              "recovery": recovery_summary(swaps, window_tokens=100), "speed": speed}
+    write_report(tmp_path, report)
+    assert (tmp_path / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
+    err = capsys.readouterr().err
+    assert "recovered after 240 tokens" in err and "1.50x" in err and "rl-report.json" in err
+    assert "not measured" in summary_lines({**report, "speed": {"error": "OSError()"}})[-1]

@@ -1,0 +1,172 @@
+"""The report of a `specrl rl` run: held-out reward per policy version, acceptance length over time
+with its recovery after each policy swap, and rollout tokens/s with and without speculation.
+
+Acceptance recovery is computed from the server's /metrics counters, sampled during the run
+(`specrl.up.sample_metrics`: `tokens` = specrl_generation_tokens_total, `steps` = specrl_verify_steps_total,
+`accepted` = vllm:spec_decode_num_accepted_tokens_total). The acceptance length of a stretch of
+samples is (accepted + steps) / steps over the summed counter deltas: tokens per verify step, the
+bonus token included, k = 0 steps included (what serving delivered, the same definition as the
+live plot), so a long window is not the mean of noisy per-sample ratios.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+TOLERANCE = 0.10  # "back within 10% of the pre-swap value"
+
+
+def acceptance_recovery(samples: list[dict], *, window_tokens: int, tolerance: float = TOLERANCE) -> list[dict]:
+    """Per policy swap: acceptance length before it, right after it, and the rollout tokens it took
+    to come back within `tolerance` of the value before.
+
+    `samples`: /metrics samples in time order, each with `t`, `policy` and the counters `tokens`,
+    `steps`, `accepted`; `eval: True` marks a sample whose interval since the previous one held only
+    evaluation requests (rollouts paused), left out of every window. A swap is a change of `policy`
+    between two consecutive samples; the interval between them (the swap itself) is left out too.
+
+    - pre: the last >= `window_tokens` completion tokens before the swap (fewer if the previous swap
+      is nearer; None when no verify step happened since it).
+    - after: the first >= `window_tokens` tokens after the swap (fewer if the next swap comes first).
+    - recovered at the first sample after the swap whose trailing window of >= `window_tokens`
+      tokens (since the swap) has acceptance >= (1 - tolerance) * pre; `tokens_to_recover` counts
+      the rollout tokens from the swap to that sample, so it is never below `window_tokens`, and
+      its resolution is one sampling interval. Otherwise `recovered` is False, and `tokens_seen`
+      says how many tokens were watched before the next swap or the end. None when pre is None.
+    """
+    segments, swaps = [[]], []  # counted intervals between swaps; (before, after) sample pairs
+    for before, after in itertools.pairwise(samples):
+        if before["policy"] != after["policy"]:
+            swaps.append((before, after))
+            segments.append([])
+            continue
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("tokens", "steps", "accepted")}
+        if not after.get("eval") and min(delta.values()) >= 0:  # a negative delta: the server restarted
+            segments[-1].append({**delta, "t": after["t"]})
+    results = []
+    for (before, after), previous, following in zip(swaps, segments, segments[1:]):
+        pre = _acceptance(_take_tokens(reversed(previous), window_tokens))
+        result = {"t": after["t"], "from": before["policy"], "to": after["policy"], "pre": pre,
+                  "after": _acceptance(_take_tokens(following, window_tokens)),
+                  "tokens_seen": int(sum(i["tokens"] for i in following)), "recovered": None,
+                  "tokens_to_recover": None, "t_recovered": None, "recovered_value": None}
+        if pre is not None:
+            result["recovered"] = False
+            seen, window = 0.0, []
+            for interval in following:
+                seen += interval["tokens"]
+                window.append(interval)
+                while len(window) > 1 and sum(i["tokens"] for i in window[1:]) >= window_tokens:
+                    window.pop(0)  # the shortest trailing window that still holds window_tokens
+                value = _acceptance(window)
+                if sum(i["tokens"] for i in window) >= window_tokens and value and value >= (1 - tolerance) * pre:
+                    result.update(recovered=True, tokens_to_recover=int(seen), t_recovered=interval["t"],
+                                  recovered_value=value)
+                    break
+        results.append(result)
+    return results
+
+
+def recovery_summary(swaps: list[dict], *, window_tokens: int, tolerance: float = TOLERANCE) -> dict:
+    """The stated bound: every recovered swap came back within `max_tokens_to_recover` tokens."""
+    recovered = [s["tokens_to_recover"] for s in swaps if s["recovered"]]
+    return {"window_tokens": window_tokens, "tolerance": tolerance, "swaps": swaps, "recovered": len(recovered),
+            "not_recovered": sum(1 for s in swaps if s["recovered"] is False),
+            "unknown": sum(1 for s in swaps if s["recovered"] is None),
+            "max_tokens_to_recover": max(recovered) if recovered else None}
+
+
+def _take_tokens(intervals, window_tokens: int) -> list[dict]:
+    """Intervals in the given order until they hold >= window_tokens tokens (or all of them)."""
+    taken, tokens = [], 0.0
+    for interval in intervals:
+        if tokens >= window_tokens:
+            break
+        taken.append(interval)
+        tokens += interval["tokens"]
+    return taken
+
+
+def _acceptance(intervals: list[dict]) -> float | None:
+    steps = sum(i["steps"] for i in intervals)
+    return (sum(i["accepted"] for i in intervals) + steps) / steps if steps else None
+
+
+def write_report(run_dir: Path, report: dict) -> None:
+    """rl-report.json, rl-report.png, and a short summary on stderr."""
+    (run_dir / "rl-report.json").write_text(json.dumps(report, indent=2, default=str))
+    _plot(run_dir / "rl-report.png", report)
+    for line in summary_lines(report):
+        print(line, file=sys.stderr)
+    print(f"specrl rl: report {run_dir / 'rl-report.json'} and {run_dir / 'rl-report.png'}", file=sys.stderr)
+
+
+def summary_lines(report: dict) -> list[str]:
+    recovery, speed = report.get("recovery") or {}, report.get("speed") or {}
+    lines = []
+    if recovery:
+        lines.append(f"policy swaps: acceptance length before -> after, rollout tokens until back within "
+                     f"{recovery['tolerance']:.0%} (windows of {recovery['window_tokens']} tokens)")
+        for s in recovery["swaps"]:
+            if s["recovered"]:
+                outcome = f"recovered after {s['tokens_to_recover']:,} tokens"
+            elif s["recovered"] is False:
+                outcome = f"not recovered ({s['tokens_seen']:,} tokens watched)"
+            else:
+                outcome = "no acceptance data before the swap"
+            lines.append(f"  t={s['t']:7.1f}s  {s['to']:>14}  {_fmt(s['pre'])} -> {_fmt(s['after'])}  {outcome}")
+        bound = recovery["max_tokens_to_recover"]
+        lines.append(f"  recovered {recovery['recovered']}/{len(recovery['swaps'])} swaps"
+                     + (f", each within {bound:,} rollout tokens" if bound is not None else ""))
+    if "ratio" in speed:
+        on, off = speed["with_speculation"], speed["without_speculation"]
+        lines.append(f"rollout tokens/s: {on['tokens_per_s']:.1f} with speculation, {off['tokens_per_s']:.1f} "
+                     f"without: {speed['ratio']:.2f}x  ({speed['tasks']} tasks x {speed['samples_per_task']} samples, "
+                     f"{speed['rounds']} rounds, policy {speed['policy']})")
+    elif "error" in speed:
+        lines.append(f"rollout tokens/s with and without speculation: not measured ({speed['error']})")
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    return "   -" if value is None else f"{value:4.2f}"
+
+
+def _plot(path: Path, report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 9), gridspec_kw={"height_ratios": [2, 2, 1]})
+    evals = report["evals"]
+    ax1.errorbar(range(len(evals)), [e["reward"] for e in evals], yerr=[e["ci95"] or 0 for e in evals], marker="o")
+    ax1.set_xticks(range(len(evals)), [e["policy"] for e in evals], fontsize=7)
+    ax1.set_ylabel(f"held-out reward ({report['env']})")
+    shown = [s for s in report["samples"] if s.get("acceptance_length") and not s.get("eval")]
+    ax2.plot([s["t"] for s in shown], [s["acceptance_length"] for s in shown], linewidth=1)
+    recovery = report.get("recovery") or {"swaps": [], "tolerance": TOLERANCE}
+    for swap in recovery["swaps"]:
+        ax2.axvline(swap["t"], color="tab:red", linestyle="--", alpha=0.5)
+        if swap["pre"] is not None:  # the threshold to get back to, from the swap to where it was reached
+            end = swap["t_recovered"] or swap["t"]
+            ax2.hlines((1 - recovery["tolerance"]) * swap["pre"], swap["t"], end, color="grey", linewidth=1)
+        if swap["recovered"]:
+            ax2.plot(swap["t_recovered"], swap["recovered_value"], "v", color="tab:green")
+    ax2.set_xlabel("seconds (dashed: policy swaps; green: acceptance back within "
+                   f"{recovery['tolerance']:.0%} of its pre-swap value)")
+    ax2.set_ylabel("acceptance length")
+    speed = report.get("speed") or {}
+    if "ratio" in speed:
+        rates = [speed["with_speculation"]["tokens_per_s"], speed["without_speculation"]["tokens_per_s"]]
+        ax3.bar_label(ax3.barh(["with speculation", "without"], rates, color=["tab:blue", "tab:grey"]), fmt="%.1f")
+        ax3.set_title(f"rollout tokens/s on the final policy: {speed['ratio']:.2f}x with speculation", fontsize=9)
+    else:
+        ax3.set_title("rollout tokens/s: not measured", fontsize=9)
+    ax3.set_xlabel("tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

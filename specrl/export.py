@@ -10,18 +10,20 @@ The exported directory holds `config.json` (the target's config with one layer) 
 
 (vLLM's EAGLE-1 Llama head has no lm_head of its own: it always uses the target's.)
 
-Two parts of a specrl drafter have no place in that layout; `specrl/extra.safetensors` keeps
-them (in `specrl/extra.safetensors`) for specrl's own vLLM backend, whose worker extension restores them after load:
+Parts of a specrl drafter have no place in that layout; `specrl/extra.safetensors` keeps
+them for specrl's own vLLM backend, whose worker extension restores them after load:
 
 - `layers.0.input_layernorm.weight`: the drafter layer's input norm (vLLM's EAGLE-1 layer 0
   has none);
+- a reduced draft vocabulary: `head.weight` [V_d, H] and `draft_to_target` [V_d] int64 (the
+  worker scatters the head's logits into the full vocabulary, -inf elsewhere);
 - the target's final norm before the head: vLLM's EAGLE-1 head takes logits straight from the
   layer output (specrl's worker computes the drafter's logits with the target's norm + head).
 
 specrl's drafter also reads the target's hidden state before its final norm, where vLLM
 hands EAGLE-1 the normed one; specrl's backend gives it the pre-norm state (the worker moves
 the target's final norm into its logits computation). Plain vLLM therefore runs an
-approximation of the drafter: outputs stay exact (speculation is lossless), only the
+approximation of the drafter (and the target's full head in place of a reduced one): outputs stay exact (speculation is lossless), only the
 acceptance rate is lower.
 """
 
@@ -37,6 +39,7 @@ from specrl.errors import IncompatibleDrafterError
 
 EXTRA_FILE = "specrl/extra.safetensors"  # in a sub-folder: vLLM loads every top-level *.safetensors
 INPUT_NORM = "layers.0.input_layernorm.weight"
+DRAFT_HEAD, DRAFT_TO_TARGET = "head.weight", "draft_to_target"
 _LAYER = {"o": ["self_attn.o_proj.weight"], "post_norm": ["post_attention_layernorm.weight"],
           "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "down": ["mlp.down_proj.weight"]}
 
@@ -45,10 +48,6 @@ def eagle_layer_tensors(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.
     """A specrl drafter's state dict (`EagleDrafter.state_dict()`) -> vLLM EAGLE-1 tensors of the
     fc and the layer (no embeddings, no head), the input norm under `INPUT_NORM`.
     `cfg` is the drafter's `DrafterConfig`."""
-    if cfg.draft_vocab_size != cfg.vocab_size:
-        raise IncompatibleDrafterError(
-            f"a drafter with a reduced draft vocabulary ({cfg.draft_vocab_size} of {cfg.vocab_size}) has no "
-            "vLLM EAGLE-1 equivalent; export a full-vocabulary drafter")
     h = cfg.hidden_size
     fc = state["fc"].float().clone()
     fc[:, h:] /= state["feature_scale"].float()[None, :]
@@ -60,6 +59,14 @@ def eagle_layer_tensors(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.
         for name, part in zip(names, state[f"layer.{param}"].chunk(len(names))):
             out[f"layers.0.{name}"] = part
     return {k: v.detach().float().contiguous() for k, v in out.items()}
+
+
+def draft_head_tensors(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """A reduced draft vocabulary's head and token map ({} when the drafter uses the target's head)."""
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        return {}
+    return {DRAFT_HEAD: state["head"].detach().float().contiguous(),
+            DRAFT_TO_TARGET: state["draft_to_target"].detach().long().contiguous()}
 
 
 def export_vllm(drafter_dir: Path, target_dir: Path, out_dir: Path) -> Path:
@@ -79,8 +86,9 @@ def export_vllm(drafter_dir: Path, target_dir: Path, out_dir: Path) -> Path:
     if cfg.hidden_size != hf_config["hidden_size"] or cfg.vocab_size != hf_config["vocab_size"]:
         raise IncompatibleDrafterError(f"the drafter (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit "
                                        f"the target in {target_dir}")
-    tensors = eagle_layer_tensors(load_file(str(drafter_dir / WEIGHTS_FILE)), cfg)
-    extra = {INPUT_NORM: tensors.pop(INPUT_NORM)}
+    state = load_file(str(drafter_dir / WEIGHTS_FILE))
+    tensors = eagle_layer_tensors(state, cfg)
+    extra = {INPUT_NORM: tensors.pop(INPUT_NORM), **draft_head_tensors(state, cfg)}
     source = TensorSource(files=sorted(target_dir.glob("*.safetensors")))
     tensors["embed_tokens.weight"] = source.get("model.embed_tokens.weight").float().contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)

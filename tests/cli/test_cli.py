@@ -26,3 +26,9 @@ def test_errors_are_one_line_and_nonzero(home):
     assert proc.stderr.strip().splitlines() == ["specrl: error: unknown model 'nope': use one of smollm2-135m, tiny-random"]
     proc = _specrl(home, "generate", "", "--model", "tiny-random", "--no-chat")
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == "specrl: error: the prompt is empty"
+
+
+def test_a_negative_count_setting_is_a_one_line_error(home):
+    proc = _specrl(home, "generate", "hi", "--model", "tiny-random", "--draft-vocab-size", "-3")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["specrl: error: draft_vocab_size must be >= 0, got -3"]

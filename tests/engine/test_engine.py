@@ -139,6 +139,20 @@ def test_records_cover_every_committed_token(make_engine, tokenizer):
         assert sum(r.accepted for r in records) == completion.accepted
 
 
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_last_segment_carries_the_finish_reason_when_it_is_exactly_full(make_engine, tokenizer, extra):
+    """Plain decoding commits one token per step: a request ending on its segment's last step
+    (or just around it) still stamps its finish reason on its last record."""
+    from specrl.telemetry.record import SEGMENT_STEPS
+
+    engine = make_engine(fixed_draft_tokens=0)
+    [done] = engine.generate(chat_prompts(tokenizer, 1),
+                             SamplingParams(max_tokens=SEGMENT_STEPS + extra, temperature=0.0, ignore_eos=True))
+    records = sorted(engine.sink.records, key=lambda r: r.segment)
+    assert sum(len(r.tokens) for r in records) == len(done.output_ids) == SEGMENT_STEPS + extra
+    assert records[-1].finish_reason == "length" and all(r.finish_reason is None for r in records[:-1])
+
+
 def test_record_roundtrips_through_msgpack(make_engine, tokenizer):
     from specrl.telemetry.record import SegmentRecord
 

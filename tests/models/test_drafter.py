@@ -42,6 +42,27 @@ def test_reduced_vocabulary_maps_to_target_ids(target):
     assert drafter.to_target_ids(torch.tensor([0, 5, 99])).tolist() == [0, 35, 693]
 
 
+def test_day0_reduced_vocabulary_is_the_targets_head_over_the_first_ids(target):
+    drafter = EagleDrafter.day0(target, draft_vocab_size=64)
+    hidden = torch.randn(3, target.cfg.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(drafter.logits(hidden), target.logits(hidden)[:, :64])
+    ids = torch.tensor([0, 5, 63])
+    assert drafter.to_draft_ids(drafter.to_target_ids(ids)).tolist() == ids.tolist()
+    assert drafter.to_draft_ids(torch.tensor([64, 1000])).tolist() == [-1, -1]  # outside: no draft id
+
+
+@pytest.mark.parametrize("size", [0, 10 ** 6])
+def test_day0_full_vocabulary_uses_the_targets_head(target, size):
+    drafter = EagleDrafter.day0(target, draft_vocab_size=size)
+    assert drafter.head is None and drafter.cfg.draft_vocab_size == target.cfg.vocab_size
+
+
+def test_negative_draft_vocabulary_is_refused(target):
+    with pytest.raises(ValueError, match="draft_vocab_size must be >= 0"):
+        EagleDrafter.day0(target, draft_vocab_size=-1)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("hidden_size", 32, "hidden_size=32 does not fit"),
     ("vocab_size", 1000, "vocab_size=1000 does not fit"),

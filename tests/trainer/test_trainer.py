@@ -6,6 +6,7 @@ import uuid
 import httpx
 import pytest
 import redis
+import torch
 
 from specrl.config import Settings
 from specrl.serving.engine import Engine
@@ -217,6 +218,25 @@ def test_trainer_survives_a_redis_restart(home, tmp_path, tiny_dir, tokenizer):
         assert trainer.records == 2 and not worker.is_alive()
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("objective", ["kl_neg", "pg"])
+def test_reduced_draft_vocabulary_trains_on_the_tokens_it_can_draft(home, tmp_path, deployment, tiny_dir, objective):
+    """Rejected and drafted tokens outside a reduced vocabulary have no draft id: they are left
+    out of the objective's token terms, not looked up out of range."""
+    from specrl.trainer.contexts import Example
+
+    trainer = make_trainer(home, tmp_path, deployment, tiny_dir, draft_vocab_size=100, objective=objective)
+    tokens = list(range(90, 110)) * 2
+    inside, outside = 50, 500  # a draft id, and a token with none
+    example = Example("r", 0, "base", "day0", tokens, first=0, start=10,
+                      rejected=[(3, inside), (4, outside)], steps=[(5, [inside], 1), (6, [outside], 0), (7, [inside], 0)])
+    before = trainer.drafter.head.detach().clone()
+    loss = trainer.train([example])
+    assert loss == loss and loss != float("inf")  # finite
+    assert not torch.equal(trainer.drafter.head, before)  # the reduced head is what learns
+    rows, ids = trainer._in_draft_vocab([(0, inside), (1, outside)], width=2)
+    assert rows.tolist() == [0] and ids.tolist() == [inside]
 
 
 def test_negative_unroll_steps_is_refused(home, tmp_path, deployment, tiny_dir):

@@ -74,3 +74,27 @@ def test_spec_decode_metrics_are_asked_for_only_with_a_drafter(child):
     assert child["None"] == ["none", None]
     metrics, spec = child["/tmp/eagle"]
     assert metrics == "summary" and spec["method"] == "eagle" and spec["model"] == "/tmp/eagle"
+
+
+def test_reduced_draft_head_logits_land_at_their_target_ids():
+    """The worker's drafter logits (pure torch, no vllm import): a reduced head's logits sit at
+    their target ids, every other id is -inf, and without a reduced head the target's head is used."""
+    import torch
+
+    from specrl.serving.vllm.worker import _DraftLogits
+
+    hidden, target_head = torch.randn(3, 8), torch.randn(20, 8)
+
+    def norm(x):
+        return x * 2
+
+    logits = _DraftLogits(norm, lambda normed: normed @ target_head.T, vocab_size=20)
+    torch.testing.assert_close(logits(hidden), (hidden * 2) @ target_head.T)
+    head, ids = torch.randn(4, 8), torch.tensor([1, 7, 2, 19])
+    logits.set_head(head, ids)
+    out = logits(hidden)
+    torch.testing.assert_close(out[:, ids], (hidden * 2) @ head.T)
+    others = torch.ones(20, dtype=torch.bool)
+    others[ids] = False
+    assert torch.isinf(out[:, others]).all() and (out[:, others] < 0).all()
+    assert out.argmax(-1).tolist() == ids[((hidden * 2) @ head.T).argmax(-1)].tolist()

@@ -47,6 +47,7 @@ class SwapResult:
 
 def load_swap(role: str, version: str, mode: str, directory: Path, serving_target) -> SwapRequest:
     """Build and check the new model from a verified store directory (worker thread)."""
+    import torch
     from safetensors import SafetensorError
 
     from specrl.models.drafter import EagleDrafter
@@ -60,6 +61,12 @@ def load_swap(role: str, version: str, mode: str, directory: Path, serving_targe
     try:
         if role == "drafter":
             model = EagleDrafter.load(directory, serving_target)
+            # EagleDrafter.load checks names and shapes only: a diverged trainer's NaN drafter swapped in and
+            # every draft was rejected (measured: 0 of 132 accepted), a silent slowdown. load_llama checks a
+            # policy's values; the vLLM worker checks both.
+            for name, value in model.state_dict().items():
+                if value.is_floating_point() and not torch.isfinite(value).all():
+                    raise SwapError(f"drafter {version}: tensor {name} has NaN or inf values")
         else:
             new_cfg = LlamaConfig.from_dir(directory)
             if new_cfg != serving_target.cfg:

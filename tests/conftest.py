@@ -1,5 +1,9 @@
 """Shared fixtures: models come from the cache home (SPECRL_HOME, else ~/.cache/specrl);
-`make test` fetches them first, and a missing one is fetched on first use."""
+`make test` fetches them first, and a missing one is fetched on first use.
+
+Live servers (tests/backends.py): a test that takes `backend` runs once per serving backend,
+native and vLLM; `live` is that backend's shared server, `bare` its server started every other
+way. One vLLM pool serves the whole run; tests marked `ends_server` run last."""
 
 from __future__ import annotations
 
@@ -10,6 +14,19 @@ from specrl.assets import fetch_model
 from specrl.config import Settings
 from specrl.serving.engine import Engine
 from specrl.telemetry.sink import MemorySink
+from tests.backends import VLLM_MARKS, ServerPool, native_backend, restore_versions, vllm_backend
+
+BACKENDS = ["native", pytest.param("vllm", marks=VLLM_MARKS)]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ends_server: takes a server out of its pool and ends it (runs last)")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest has grouped the items by parameter
+def pytest_collection_modifyitems(items):
+    """Tests that end a pooled server run after every test that shares it (a stable sort)."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_server") is not None)
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +65,44 @@ def make_engine(home):
         return Engine.from_settings(settings, sink=MemorySink(), progress=False)
 
     return make
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request):
+    """The serving backend under test (tests/backends.py: `Backend`)."""
+    if request.param == "vllm":
+        return vllm_backend(request.getfixturevalue("smollm_dir"))
+    return native_backend(request.getfixturevalue("tiny_dir"))
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(home, tmp_path_factory, smollm_dir):
+    """The one vLLM server pool of the test run (engines start on first use)."""
+    pool = ServerPool(vllm_backend(smollm_dir), home, tmp_path_factory.mktemp("vllm"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def servers(request, backend, home, tmp_path_factory):
+    """The backend's server pool: the session's for vLLM, this module's for native."""
+    if backend.name == "vllm":
+        yield request.getfixturevalue("vllm_servers")
+        return
+    pool = ServerPool(backend, home, tmp_path_factory.mktemp("native"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def live(servers, backend):
+    """The backend's shared server (drafter, Redis, admin token), on the versions it started with."""
+    server = servers.get("shared")
+    restore_versions(server, backend.model_dir)
+    return server
+
+
+@pytest.fixture
+def bare(servers):
+    """The backend's server without drafter, admin token or reachable Redis, one request at a time."""
+    return servers.get("bare")

@@ -1,4 +1,4 @@
-"""Hot swaps under load: locust (its own process) drives a live server on the tiny model while a
+"""Hot swaps under load: locust (its own process) drives a live server of each backend while a
 thread swaps the drafter and the policy (drain and interrupt) every 2 s. No request may fail,
 every response's versions must fit the swap log (loadtest/report.py explains how), and every
 request must have left its records in Redis."""
@@ -17,62 +17,65 @@ import redis
 from loadtest.report import locust_aggregated, read_jsonl, serving_periods, version_problems
 from loadtest.swap_driver import prepare_versions, run_swaps
 from specrl.telemetry import RECORD_FIELD, SegmentRecord
-from tests.serving.conftest import ADMIN_TOKEN, REDIS_URL, start_server
+from tests.backends import ADMIN_TOKEN, REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUST_SECONDS = 20
-MIN_REQUESTS = 40
+# successful requests in LOCUST_SECONDS at the least. Measured on vLLM (SmolLM2, 4 in its batch): 20 on an
+# idle machine, 12 while other jobs kept both cores busy (load average ~8)
+MIN_REQUESTS = {"native": 40, "vllm": 8}
 
 
 @pytest.mark.redis
-def test_swaps_under_load_keep_every_response_consistent(home, tmp_path, tiny_dir):
-    server = start_server(home, tmp_path, "--redis-url", REDIS_URL)
+def test_swaps_under_load_keep_every_response_consistent(live, backend, tmp_path):
+    server, log_start = live, live.log.stat().st_size
     client = redis.Redis.from_url(REDIS_URL)
-    try:
-        versions = prepare_versions(server.store, tiny_dir)
-        swap_log, request_log, prefix = tmp_path / "swaps.jsonl", tmp_path / "requests.jsonl", tmp_path / "locust"
-        stop = threading.Event()
-        with ThreadPoolExecutor(1) as pool:
-            swapping = pool.submit(run_swaps, server.url, ADMIN_TOKEN, versions, interval_s=2.0,
-                                   duration_s=LOCUST_SECONDS - 3, log_path=swap_log, stop=stop)
-            try:
-                locust = subprocess.run(
-                    [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
-                     "-u", "8", "-r", "4", "-t", f"{LOCUST_SECONDS}s", "--stop-timeout", "10", "--host", server.url,
-                     "--csv", str(prefix), "--only-summary"],
-                    env={**os.environ, "SPECRL_LOADTEST_LOG": str(request_log)}, cwd=tmp_path,
-                    capture_output=True, text=True, timeout=LOCUST_SECONDS + 60)
-            finally:
-                stop.set()
-            swaps = [e for e in swapping.result(timeout=150) if e["event"] == "swap"]
-        output = locust.stdout[-3000:] + locust.stderr[-3000:]
+    versions = prepare_versions(server.store, backend.model_dir)
+    swap_log, request_log, prefix = tmp_path / "swaps.jsonl", tmp_path / "requests.jsonl", tmp_path / "locust"
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        swapping = pool.submit(run_swaps, server.url, ADMIN_TOKEN, versions, interval_s=2.0,
+                               duration_s=LOCUST_SECONDS - 3, log_path=swap_log, stop=stop)
+        try:
+            locust = subprocess.run(
+                [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+                 "-u", "8", "-r", "4", "-t", f"{LOCUST_SECONDS}s", "--stop-timeout", "10", "--host", server.url,
+                 "--csv", str(prefix), "--only-summary"],
+                env={**os.environ, "SPECRL_LOADTEST_LOG": str(request_log)}, cwd=tmp_path,
+                capture_output=True, text=True, timeout=LOCUST_SECONDS + 60)
+        finally:
+            stop.set()
+        swaps = [e for e in swapping.result(timeout=150) if e["event"] == "swap"]
+    output = locust.stdout[-3000:] + locust.stderr[-3000:]
 
-        assert locust.returncode == 0, output
-        assert locust_aggregated(prefix)["Failure Count"] == "0", output
-        requests = read_jsonl(request_log)
-        ok = [r for r in requests if r["status"] == "ok"]
-        assert [r for r in requests if r["status"] not in ("ok", "interrupted")] == []
-        assert len(ok) >= MIN_REQUESTS, output
-        assert len({r["id"] for r in ok}) == len(ok)
+    assert locust.returncode == 0, output
+    assert locust_aggregated(prefix)["Failure Count"] == "0", output
+    requests = read_jsonl(request_log)
+    ok = [r for r in requests if r["status"] == "ok"]
+    assert [r for r in requests if r["status"] not in ("ok", "interrupted")] == []
+    assert len(ok) >= MIN_REQUESTS[backend.name], output
+    assert len({r["id"] for r in ok}) == len(ok)
 
-        assert all(e["status"] == 200 for e in swaps), [e for e in swaps if e["status"] != 200]
-        assert len(swaps) >= 4
-        assert {(e["role"], e["mode"]) for e in swaps if e["role"] == "policy"} == {("policy", "drain"),
-                                                                                    ("policy", "interrupt")}
-        log = read_jsonl(swap_log)
-        assert version_problems(ok, log) == []
-        assert len({r["drafter"] for r in ok}) >= 2 and len({r["target"] for r in ok}) >= 2  # swaps were seen
+    assert all(e["status"] == 200 for e in swaps), [e for e in swaps if e["status"] != 200]
+    assert len(swaps) >= 4
+    assert {(e["role"], e["mode"]) for e in swaps if e["role"] == "policy"} == {("policy", "drain"),
+                                                                                ("policy", "interrupt")}
+    log = read_jsonl(swap_log)
+    assert version_problems(ok, log) == []
+    # swaps were seen: two versions of each role or more served tokens, by the responses' version runs
+    # ([first index, target, drafter]): on vLLM a request spanned several swaps (2-13 s each here), and
+    # all twenty ended on the same drafter although drafter-s2 served tokens to four of them
+    served = [run for r in ok for choice in r["versions"] or [] for run in choice]
+    assert len({r["target"] for r in ok} | {run[1] for run in served}) >= 2
+    assert len({r["drafter"] for r in ok} | {run[2] for run in served}) >= 2
 
-        records = _records_by_request(client, server.stream, {r["id"] for r in ok})
-        for r in ok:
-            pairs = {(rec.target_version, rec.drafter_version) for rec in records[r["id"]]}
-            runs = [tuple(run[1:]) for choice in r["versions"] or [] for run in choice]
-            assert set(runs) <= pairs, (r["id"], runs, pairs)
-    finally:
-        code = server.stop()
-        client.delete(server.stream)
-    assert code == 0, server.log.read_text()[-3000:]
-    assert "Traceback" not in server.log.read_text(), server.log.read_text()[-3000:]
+    records = _records_by_request(client, server.stream, {r["id"] for r in ok})
+    for r in ok:
+        pairs = {(rec.target_version, rec.drafter_version) for rec in records[r["id"]]}
+        runs = [tuple(run[1:]) for choice in r["versions"] or [] for run in choice]
+        assert set(runs) <= pairs, (r["id"], runs, pairs)
+    server_log = server.log.read_bytes()[log_start:].decode(errors="replace")
+    assert "Traceback" not in server_log, server_log[-3000:]
 
 
 def _records_by_request(client, stream: str, ids: set[str], timeout: float = 15.0) -> dict[str, list[SegmentRecord]]:

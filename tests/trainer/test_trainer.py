@@ -240,5 +240,7 @@ def test_reduced_draft_vocabulary_trains_on_the_tokens_it_can_draft(home, tmp_pa
 
 
 def test_negative_unroll_steps_is_refused(home, tmp_path, deployment, tiny_dir):
-    with pytest.raises(ValueError, match="unroll_steps must be >= 0"):
+    from specrl.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="unroll_steps must be >= 0, got -1"):  # the settings refuse it
         make_trainer(home, tmp_path, deployment, tiny_dir, unroll_steps=-1)

@@ -32,8 +32,7 @@ import torch
 from specrl.config import Settings
 from specrl.errors import SpecrlError
 from specrl.models.drafter import EagleDrafter
-from specrl.models.linear import linear
-from specrl.models.llama import Llama, load_llama, rms_norm
+from specrl.models.llama import Llama, load_llama
 from specrl.spec.simulate import simulate_greedy
 from specrl.telemetry.reader import RecordReader
 from specrl.trainer.canary import Canary
@@ -52,7 +51,7 @@ class TargetPool:
     def __init__(self, base_dir: Path, base_version: str, store: WeightsStore):
         self.base_dir, self.base_version, self.store = base_dir, base_version, store
         self._models: dict[str, Llama] = {}
-        self._head_rows: dict = {}
+        self._head_rows: tuple[str | None, torch.Tensor | None] = (None, None)
 
     def get(self, version: str) -> Llama | None:
         if version not in self._models:
@@ -69,15 +68,14 @@ class TargetPool:
         """hidden [N, H] of the target at `version` -> its logits over the drafter's vocabulary
         [N, V_d]: a reduced draft vocabulary needs only those rows of the head."""
         target = self._models[version]
-        key = (version, drafter.cfg.draft_vocab_size)
-        if self._head_rows.get("key") != key:
-            self._head_rows = {"key": key, "rows": drafter.head_rows(target.lm_head)}
-        return linear(rms_norm(hidden, target.norm, target.cfg.rms_norm_eps), self._head_rows["rows"])
+        if self._head_rows[0] != version:  # the rows are copied once per target version
+            self._head_rows = (version, drafter.head_rows(target.lm_head))
+        return target.logits(hidden, self._head_rows[1])
 
     @torch.no_grad()
     def features(self, version: str, tokens: list[int]) -> torch.Tensor | None:
         """-> hidden [T, H] of the target at `version` over `tokens`. No logits: the caller takes
-        them (`Llama.logits`) only at the positions it trains, the head being the largest matmul."""
+        them (`draft_logits`) only at the positions it trains, the head being the largest matmul."""
         target = self.get(version)
         return None if target is None else target(torch.tensor(tokens)[None])[0]
 

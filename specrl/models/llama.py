@@ -171,9 +171,9 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, (cache.k[i], cache.v[i]), batch)
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V] float32."""
-        return linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] float32; `head` [V', H]: rows of lm_head to use instead."""
+        return linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head if head is None else head)
 
     # ---- weights -------------------------------------------------------------------------
     def load_hf_state(self, source: "dict[str, torch.Tensor] | TensorSource") -> None:

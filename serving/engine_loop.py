@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from specrl.errors import EngineUnavailableError
 from specrl.serving.engine import Engine, StepOutput
@@ -23,6 +23,26 @@ from specrl.serving.swap import SwapResult, load_swap
 from specrl.spec.sampling import SamplingParams
 
 log = logging.getLogger("specrl.engine")
+
+
+async def read_outputs(queue: asyncio.Queue, abort: Callable[[], None], forget: Callable[[], None]
+                       ) -> AsyncIterator[StepOutput]:
+    """A request's step outputs from its queue until the finished one (an exception put on the
+    queue is raised here). Both serving loops hand this generator out as `outputs()`. If the reader
+    stops first (client gone, task cancelled, generator closed), `abort()` runs at once, inside the
+    generator, so the engine stops working for nobody; `forget()` drops the queue either way."""
+    finished = False
+    try:
+        while not finished:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            abort()
+        forget()
 
 
 class EngineLoop:
@@ -95,22 +115,10 @@ class EngineLoop:
         self._wake.set()
         return seq
 
-    async def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
+    def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
         """Yield the request's step outputs until it finishes; abort it if the consumer goes away."""
         _, queue = self._queues[request_id]
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if finished:
-                self._queues.pop(request_id, None)
-            else:
-                self.abort(request_id)
+        return read_outputs(queue, lambda: self.abort(request_id), lambda: self._queues.pop(request_id, None))
 
     def abort(self, request_id: str) -> None:
         """Stop a request nobody will read (any thread)."""

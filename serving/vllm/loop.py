@@ -26,6 +26,7 @@ from typing import AsyncIterator, Callable
 
 from specrl.errors import EngineUnavailableError, QueueFullError, SwapError
 from specrl.serving.engine import EngineStats, StepOutput, check_request
+from specrl.serving.engine_loop import read_outputs
 from specrl.serving.swap import SwapResult
 from specrl.spec.sampling import SamplingParams
 
@@ -129,20 +130,9 @@ class VllmLoop:
         self.stats.prompt_tokens += len(prompt_ids)
         return request
 
-    async def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
-        queue = self._queues[request_id]
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
-            self._queues.pop(request_id, None)
+    def outputs(self, request_id: str) -> AsyncIterator[StepOutput]:
+        return read_outputs(self._queues[request_id], lambda: self.abort(request_id),
+                            lambda: self._queues.pop(request_id, None))
 
     def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)

@@ -1,8 +1,11 @@
 """Engine mechanics: continuous batching, bounded queue, stops, chunked prefill, abort, records."""
 
+import asyncio
+
 import pytest
 
 from specrl.errors import InvalidRequestError, ModelNotFoundError, QueueFullError
+from specrl.serving.engine_loop import EngineLoop
 from specrl.serving.sequence import Status
 from specrl.spec.sampling import SamplingParams
 from tests.engine.conftest import chat_prompts
@@ -173,3 +176,29 @@ def test_controller_backs_off_an_untrained_drafter(make_engine, tokenizer):
     steps = [s for r in engine.sink.records for s in r.steps[1:]]  # after the prefill's token
     speculative = [s for s in steps if s.k > 0]
     assert len(speculative) <= 0.25 * len(steps), (len(speculative), len(steps))
+
+
+def test_a_reader_that_goes_away_aborts_its_request(make_engine, tokenizer):
+    """The serving loop's outputs(): closing the reader mid-request (a client gone) aborts the
+    request in the engine at once and forgets its queue; a request read to the end is forgotten too."""
+    loop = EngineLoop(make_engine(max_batch=2))
+    loop.start()
+    long_prompt, short_prompt = chat_prompts(tokenizer, 2)
+
+    async def scenario():
+        seq = loop.submit(long_prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), "gone")
+        reader = loop.outputs("gone")
+        first = await anext(reader)
+        await reader.aclose()
+        done = loop.submit(short_prompt, GREEDY, "read")
+        outs = [out async for out in loop.outputs("read")]
+        return seq, first, done, outs
+
+    try:
+        seq, first, done, outs = asyncio.run(scenario())
+    finally:
+        loop.stop(timeout=5)
+    assert not first.finished and seq.finish_reason == "abort" and len(seq.output_ids) < 400
+    assert outs[-1].finished and done.finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in outs) == len(done.output_ids) == 16
+    assert loop._queues == {}

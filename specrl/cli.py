@@ -81,6 +81,18 @@ def _parser() -> argparse.ArgumentParser:
     _common(rl)
     rl.set_defaults(run=_rl)
 
+    ev = sub.add_parser("eval-policy", help="held-out reward of policy versions side by side, paired CI")
+    ev.add_argument("--env", required=True, choices=["arithmetic", "code", "format"])
+    ev.add_argument("--versions", required=True, help="comma-separated policy versions of the store; base = the model")
+    ev.add_argument("--tasks", type=int, default=128, help="held-out tasks (the same for every version)")
+    ev.add_argument("--max-tokens", type=int, default=64)
+    ev.add_argument("--store", default=None, help="weights store root (default: the store of `specrl rl --deployment`)")
+    ev.add_argument("--deployment", default=None)
+    ev.add_argument("--model", default=None)
+    ev.add_argument("--out", default=None, help="JSON report path")
+    _common(ev)
+    ev.set_defaults(run=_eval_policy)
+
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with speculative decoding")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
@@ -267,6 +279,18 @@ def _rl(args: argparse.Namespace) -> int:
            tasks_per_step=args.tasks_per_step, publish_every=args.publish_every, eval_every=args.eval_every,
            eval_tasks=args.eval_tasks, max_tokens=args.max_tokens,
            config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag), out_dir=args.out)
+    return 0
+
+
+def _eval_policy(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specrl.trainer.evaluate import evaluate_policies
+    from specrl.trainer.rl import with_deployment_store
+
+    versions = [v for v in args.versions.split(",") if v]
+    evaluate_policies(with_deployment_store(_settings(args)), args.env, versions, args.tasks, args.max_tokens,
+                      Path(args.out) if args.out else None)
     return 0
 
 

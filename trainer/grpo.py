@@ -10,6 +10,13 @@ exp(ref - log pi) - (ref - log pi) - 1. Token losses are averaged per completion
 averaged over the batch. Rollouts are sampled at temperature 1 with top_p 1 so that the recorded
 log-probs are the policy's own distribution.
 
+Restart safety: with a `state_path`, every publish also checkpoints the trainer (policy, AdamW
+moments, step count, the published versions), and a new trainer on the same path resumes from it.
+Rollouts are not kept: they are produced on-policy and a restarted run samples new ones, so what
+a crash loses is the optimizer steps since the last publish (never a published version). If the
+crash fell between a publish and its checkpoint, the store holds a version whose parent is the
+checkpoint's newest: the trainer resumes on that version's weights (the moments are one step older).
+
 Staleness: a rollout whose oldest token came from a policy more than `max_lag` published versions
 behind the newest is never trained on (counted as stale). Rollouts cut by an `interrupt` swap
 carry per-token versions; they are kept when their oldest version is within the bound, and the
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -27,8 +35,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from specrl.errors import SpecrlError
 from specrl.models.llama import load_llama
 from specrl.weights import WeightsStore
 
@@ -71,7 +80,10 @@ class StepStats:
 
 
 class GRPOTrainer:
-    def __init__(self, model_dir: Path, config: GRPOConfig, base_version: str = "base"):
+    def __init__(self, model_dir: Path, config: GRPOConfig, base_version: str = "base",
+                 state_path: Path | None = None, store: WeightsStore | None = None):
+        """`state_path`: checkpoint file, resumed from when it exists; `store`: where the policy is
+        published (needed to resume past a publish the checkpoint missed)."""
         self.model_dir, self.config = Path(model_dir), config
         self.policy = load_llama(model_dir)
         self.policy.requires_grad_(True)
@@ -79,6 +91,9 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=config.lr, weight_decay=0.0)
         self.published = [base_version]  # policy versions in publish order: the lag ruler
         self.steps = 0
+        self.state_path = Path(state_path) if state_path else None
+        if self.state_path is not None and self.state_path.is_file():
+            self._resume(store)
 
     @property
     def version(self) -> str:
@@ -148,7 +163,34 @@ class GRPOTrainer:
             manifest = store.publish("policy", tmp, parent=self.version, metrics=metrics,
                                      architecture={"model": "llama"})
         self.published.append(manifest.version)
+        self.save_state()
         return manifest.version
+
+    def save_state(self) -> None:
+        """Checkpoint (atomic rename): policy, optimizer moments, step count, published versions."""
+        if self.state_path is None:
+            return
+        state = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps,
+                 "published": self.published}
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_path)
+
+    def _resume(self, store: WeightsStore | None) -> None:
+        state = torch.load(self.state_path, weights_only=False)
+        try:
+            self.policy.load_state_dict(state["policy"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise SpecrlError(f"the policy trainer state {self.state_path} does not fit this model "
+                              f"({str(exc).splitlines()[0]}): move it away, or use another --deployment") from None
+        self.steps, self.published = state["steps"], list(state["published"])
+        children = [m.version for m in store.versions("policy") if m.parent == self.version] if store else []
+        if children:  # published, then killed before the checkpoint: that version is this trainer's newest
+            self.policy.load_hf_state(load_file(str(store.verify("policy", children[-1]) / "model.safetensors")))
+            self.published.append(children[-1])
+        log.info("event=resume state=%s steps=%d policy=%s", self.state_path, self.steps, self.version)
 
 
 def _mean(values: list[float]) -> float:

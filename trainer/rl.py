@@ -16,6 +16,12 @@ The report (`rl_report`): reward per policy version; acceptance length over time
 samples (every `sample_every_s`, and right before and after each swap), with the rollout tokens
 each policy swap took to bring it back within 10% of its pre-swap value; and, at the end, rollout
 tokens/s with and without speculation on the final policy (`_measure_speed`).
+
+Each deployment has its own weights store (`<home>/rl/<deployment>/weights` unless --store), so
+policies trained by one run never reach another. Restart: run it again with the same --deployment.
+The server serves the store's current policy and drafter, the drafter trainer resumes from its
+own checkpoint and pending records, and the policy trainer from its checkpoint
+(`grpo.GRPOTrainer`: written at every publish).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.errors import SpecrlError
 from specrl.launch import free_port, spawn, terminate, wait_healthy
+from specrl.trainer.drafter_log import trainer_events
 from specrl.trainer.envs import make_env, safe_score
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
 from specrl.trainer.rl_report import acceptance_recovery, recovery_summary, write_report
@@ -64,7 +71,12 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
                         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
     env = make_env(env_name)
     model_dir = resolve_model(settings.model, settings.home)
+    settings = with_deployment_store(settings)
     store = WeightsStore(settings.store_path)
+    if store.current("policy") is not None and not policy_state_path(settings).is_file():
+        raise SpecrlError(f"the weights store {store.root} already serves policy {store.current('policy')}, but "
+                          f"{policy_state_path(settings)} does not exist: GRPO would start from the base model "
+                          "behind it; use a fresh --store, or the --deployment that trained it")
     redis = Redis(settings.redis_url)
     token, url = settings.admin_token or secrets.token_hex(16), f"http://{settings.host}:{settings.port}"
     env_vars = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
@@ -79,11 +91,13 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         wait_healthy(url, children[0], run_dir / "server.log")
         children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30"], env_vars,
                               run_dir / "drafter-trainer.log"))
-        trainer = GRPOTrainer(model_dir, config or GRPOConfig())
+        trainer = GRPOTrainer(model_dir, config or GRPOConfig(), state_path=policy_state_path(settings), store=store)
+        if trainer.version != (store.current("policy") or trainer.published[0]):  # resumed past the served one
+            _swap_policy(url, token, trainer.version)
         client = RolloutClient(url, settings.model, n=group_size, max_tokens=max_tokens)
         rollouts: queue.Queue = queue.Queue(maxsize=2 * tasks_per_step)
         heldout = list(itertools.islice(env.tasks("heldout", settings.seed), max(eval_tasks, speed_tasks)))
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         samples = _Samples(url, started, report["samples"])
         producer = threading.Thread(target=_produce, args=(env, client, rollouts, stop, pause, settings.seed),
                                     daemon=True)
@@ -121,10 +135,39 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         for child in reversed(children):
             terminate(child)
         redis.stop()
+    report["drafter_evaluations"] = drafter_evaluations(run_dir / "drafter-trainer.log", started_wall)
     report["recovery"] = recovery_summary(acceptance_recovery(report["samples"], window_tokens=window_tokens),
                                           window_tokens=window_tokens)
     write_report(run_dir, report)
     return report
+
+
+def drafter_evaluations(log: Path, started_wall: float) -> list[dict]:
+    """The drafter trainer's periodic evaluations: exact greedy acceptance length (k = 4) of the
+    serving drafter and of its candidate on held-out records, by seconds since the run started.
+    Unlike the served acceptance, this does not depend on how often the controller drafts."""
+    def value(text: str | None) -> float | None:
+        return None if text in (None, "None") else float(text)
+
+    return [{"t": round(e["time"] - started_wall, 1), "serving_tau": value(e.get("serving_tau")),
+             "candidate_tau": value(e.get("candidate_tau")), "records": int(e.get("records", 0))}
+            for e in trainer_events(log) if e["event"] == "evaluate"]
+
+
+def deployment_dir(settings: Settings) -> Path:
+    """What `specrl rl` keeps per deployment: its weights store (unless --store) and GRPO's checkpoint."""
+    return settings.home / "rl" / settings.deployment
+
+
+def with_deployment_store(settings: Settings) -> Settings:
+    """Without --store, the deployment's own store: a policy trained here never leaks into another one."""
+    return settings if settings.store else settings.replace(store=str(deployment_dir(settings) / "weights"))
+
+
+def policy_state_path(settings: Settings) -> Path:
+    """The policy trainer's checkpoint: `specrl rl` again with the same --deployment resumes from it
+    (and the server from the store's current policy)."""
+    return deployment_dir(settings) / "grpo.pt"
 
 
 class _Pause:
@@ -267,16 +310,20 @@ def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, re
         log.error("event=publish_refused reason=%s", exc)
         report["publishes"].append({"t": time.monotonic() - started, "refused": str(exc)})
         return
-    body = json.dumps({"role": "policy", "version": version, "mode": "interrupt"}).encode()
-    request = urllib.request.Request(url + "/admin/weights", data=body, method="POST", headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     samples.take()
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        result = json.loads(resp.read())
+    result = _swap_policy(url, token, version)
     samples.take()
     report["publishes"].append({"t": round(time.monotonic() - started, 1), "version": version,
                                 "load_ms": result["load_ms"], "swap_ms": result["swap_ms"]})
     log.info("event=policy_swap version=%s load_ms=%s swap_ms=%s", version, result["load_ms"], result["swap_ms"])
+
+
+def _swap_policy(url: str, token: str, version: str) -> dict:
+    body = json.dumps({"role": "policy", "version": version, "mode": "interrupt"}).encode()
+    request = urllib.request.Request(url + "/admin/weights", data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return json.loads(resp.read())
 
 
 def _evaluate(env, client: RolloutClient, tasks: list, version: str, started: float) -> dict:

@@ -121,6 +121,10 @@ def summary_lines(report: dict) -> list[str]:
         bound = recovery["max_tokens_to_recover"]
         lines.append(f"  recovered {recovery['recovered']}/{len(recovery['swaps'])} swaps"
                      + (f", each within {bound:,} rollout tokens" if bound is not None else ""))
+    tau = [e["serving_tau"] for e in report.get("drafter_evaluations", []) if e["serving_tau"] is not None]
+    if tau:
+        lines.append(f"drafter trainer: serving drafter's exact acceptance length (k=4, held-out records) "
+                     f"{tau[0]:.2f} -> {tau[-1]:.2f} over {len(tau)} evaluations (min {min(tau):.2f}, max {max(tau):.2f})")
     if "ratio" in speed:
         on, off = speed["with_speculation"], speed["without_speculation"]
         lines.append(f"rollout tokens/s: {on['tokens_per_s']:.1f} with speculation, {off['tokens_per_s']:.1f} "
@@ -147,7 +151,8 @@ def _plot(path: Path, report: dict) -> None:
     ax1.set_xticks(range(len(evals)), [e["policy"] for e in evals], fontsize=7)
     ax1.set_ylabel(f"held-out reward ({report['env']})")
     shown = [s for s in report["samples"] if s.get("acceptance_length") and not s.get("eval")]
-    ax2.plot([s["t"] for s in shown], [s["acceptance_length"] for s in shown], linewidth=1)
+    ax2.plot([s["t"] for s in shown], [s["acceptance_length"] for s in shown], linewidth=1,
+             label="served (live /metrics, rollouts; the controller's k)")
     recovery = report.get("recovery") or {"swaps": [], "tolerance": TOLERANCE}
     for swap in recovery["swaps"]:
         ax2.axvline(swap["t"], color="tab:red", linestyle="--", alpha=0.5)
@@ -156,6 +161,11 @@ def _plot(path: Path, report: dict) -> None:
             ax2.hlines((1 - recovery["tolerance"]) * swap["pre"], swap["t"], end, color="grey", linewidth=1)
         if swap["recovered"]:
             ax2.plot(swap["t_recovered"], swap["recovered_value"], "v", color="tab:green")
+    tau = [e for e in report.get("drafter_evaluations", []) if e["serving_tau"] is not None]
+    if tau:
+        ax2.plot([e["t"] for e in tau], [e["serving_tau"] for e in tau], "o-", color="tab:orange", markersize=3,
+                 label="serving drafter, exact k=4 on held-out records (drafter trainer)")
+        ax2.legend(fontsize="x-small", loc="upper left")
     ax2.set_xlabel("seconds (dashed: policy swaps; green: acceptance back within "
                    f"{recovery['tolerance']:.0%} of its pre-swap value)")
     ax2.set_ylabel("acceptance length")

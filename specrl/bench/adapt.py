@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
-import re
 import secrets
 import shutil
 import signal
@@ -57,15 +55,15 @@ import sys
 import tempfile
 import threading
 import time
-from bisect import bisect_left
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
+from specrl.bench import adapt_report
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.traffic import Traffic
+from specrl.trainer.drafter_log import trainer_events
 
 MIX = {"chat": 1, "code": 1, "math": 1, "structured": 1}
 SHIFT = ("chat", "code")
@@ -77,7 +75,6 @@ FIXED_K = 4
 POLL_S = 0.5
 SERVED_EVERY_S = 5.0
 CHILD_THREADS = max(1, (os.cpu_count() or 2) // 2)
-LOG_LINE = re.compile(r"ts=(\S+ \S+) level=\S+ logger=\S+ msg=event=(evaluate|publish|rollback) (.*)")
 
 
 def run_adapt_bench(settings: Settings, minutes: float, objectives: list[str], shift: bool, users: int,
@@ -100,9 +97,9 @@ def run_adapt_bench(settings: Settings, minutes: float, objectives: list[str], s
         result = _run_all(settings, minutes, objectives, shift, users, Meter(settings), out)
     finally:
         torch.set_num_threads(threads)
-    _print_table(result)
+    adapt_report.print_table(result)
     (out / "bench-adapt.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(result, out / "bench-adapt.png")
+    adapt_report.plot(result, out / "bench-adapt.png")
     print(f"report: {out / 'bench-adapt.json'}\nchart:  {out / 'bench-adapt.png'}")
     return result
 
@@ -124,7 +121,13 @@ def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: b
         reports = [Run(spec, settings, redis.url, meter, out / spec.name, users, minutes).execute() for spec in runs]
     finally:
         redis.stop()
-    return _result(settings, minutes, objectives, shift, users, reports, redis_external=bool(settings.redis_url))
+    measurement = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "fixed_k": FIXED_K, "traffic_tokens": TRAFFIC_TOKENS,
+                   "measure_every_min": MEASURE_EVERY_MIN, "mix": MIX, "shift_domains": SHIFT,
+                   "acceptance_length": "1 + accepted / drafting steps (tokens per verify step, bonus included)",
+                   "interference": "traffic drained and the trainer SIGSTOPped during every measurement; "
+                                   "times are on the traffic clock (pauses excluded)"}
+    return adapt_report.build_result(settings, minutes, objectives, shift, users, reports, bool(settings.redis_url),
+                                     measurement, CHILD_THREADS)
 
 
 def _progress(message: str) -> None:
@@ -340,7 +343,8 @@ class Run:
                 report.update(self._collect())
             finally:
                 self._stop()
-            report.update(_trainer_report(self.out / "trainer.log", self.clock, self.store, report))
+            report.update(adapt_report.trainer_report(self.out / "trainer.log", self.clock, self.store, report,
+                                                      samples_every=round(SERVED_EVERY_S / POLL_S)))
         return report
 
     def _start(self) -> None:
@@ -402,7 +406,7 @@ class Run:
         finally:
             if resume:
                 self._resume()
-        events = _trainer_events(self.out / "trainer.log") if "trainer" in self.children else []
+        events = trainer_events(self.out / "trainer.log") if "trainer" in self.children else []
         trained = [e for e in events if e["event"] == "evaluate"]
         online = measured["drafters"]["online"]
         manifest = self.store.manifest("drafter", online["version"]) if online["version"] != "day0" else None
@@ -411,7 +415,7 @@ class Run:
                "trainer_records": int(trained[-1]["records"]) if trained else 0,
                "drafter_records": int(manifest.metrics.get("records", 0)) if manifest else 0, **measured}
         _progress(f"run={self.spec.name}: checkpoint {label}: traffic {row['traffic_s'] / 60:.1f} min, "
-                  f"drafter {online['version']}, acceptance length k=4 {_fmt(online['acceptance_length_k4'])}, "
+                  f"drafter {online['version']}, acceptance length k=4 {adapt_report.fmt(online['acceptance_length_k4'])}, "
                   f"B=1 {online['b1']['tokens_per_s']:.1f} vs plain {measured['plain']['b1']['tokens_per_s']:.1f} "
                   f"tok/s ({online['ratio_b1']:.2f}x)")
         return row
@@ -507,187 +511,3 @@ def _wait_for_line(proc: subprocess.Popen, log: Path, needle: str, timeout_s: fl
 def _entry_id(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-# ---- the trainer's side: log, manifests, throughput, lag -------------------------------------
-def _trainer_events(log: Path) -> list[dict]:
-    """`event=evaluate|publish|rollback` lines of the trainer log -> dicts with `time` (unix s)."""
-    events = []
-    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
-        match = LOG_LINE.match(line)
-        if match:
-            stamp, event, rest = match.groups()
-            fields = dict(re.findall(r"(\w+)=(\S+)", rest))
-            events.append({"time": datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp(), "event": event,
-                           **fields})
-    return events
-
-
-def _trainer_report(log: Path, clock: TrafficClock, store, run: dict) -> dict:
-    end = run.pop("final_pause_wall")
-    arrivals, polls = run.pop("arrivals"), run.pop("polls")
-    events = [e for e in _trainer_events(log) if e["time"] <= end]
-    for e in events:
-        e["traffic_s"] = clock(e["time"])
-    manifests = {m.version: m for m in store.versions("drafter")} if store.root.is_dir() else {}
-    publishes = [e for e in events if e["event"] == "publish"]
-    for p in publishes:
-        m = manifests.get(p["version"])
-        p["created"] = m.created if m else None
-        p["records"] = m.metrics.get("records") if m else None
-    evaluations = [e for e in events if e["event"] == "evaluate"]
-    span = clock(end)
-    trained = int(evaluations[-1]["records"]) if evaluations else 0
-    delivered = sum(1 for a in arrivals if polls and a <= polls[-1][1])
-    throughput = {"trained_records": trained,
-                  "trained_records_per_s": trained / max(evaluations[-1]["traffic_s"], 1e-9) if trained else 0.0,
-                  "stream_records": len(arrivals), "stream_records_per_s": len(arrivals) / span if span else 0.0,
-                  "delivered_records": delivered, "delivered_records_per_s": delivered / span if span else 0.0,
-                  "backlog_at_end": len(arrivals) - delivered, "traffic_s": span}
-    backlog = [[round(clock(t), 1), lag] for t, _, lag in polls[::round(SERVED_EVERY_S / POLL_S)]]
-    return {"evaluations": evaluations, "publishes": publishes, "backlog": backlog,
-            "rollbacks": [e for e in events if e["event"] == "rollback"],
-            "manifests": [m.to_dict() for m in manifests.values()], "throughput": throughput,
-            "lag": _lag(arrivals, polls, [p["time"] for p in publishes], clock, end)}
-
-
-def _lag(arrivals: list[tuple[int, int]], polls: list, publishes: list[float], clock: TrafficClock, end: float) -> dict:
-    """Per record: traffic seconds from its arrival to the first publish after a poll saw it delivered."""
-    lags, freshest, pending, j = [], {}, 0, 0
-    for entry in sorted(arrivals):
-        while j < len(polls) and polls[j][1] < entry:
-            j += 1
-        k = bisect_left(publishes, polls[j][0]) if j < len(polls) else len(publishes)
-        if k == len(publishes):
-            pending += 1
-            continue
-        lag = clock(publishes[k]) - clock(entry[0] / 1000)
-        lags.append(lag)
-        freshest[k] = min(freshest.get(k, math.inf), lag)
-    lags.sort()
-    stats = {"records": len(arrivals), "in_a_publish": len(lags), "not_yet_published": pending,
-             "method": "stream entry id -> first group poll showing it delivered -> next event=publish; traffic clock"}
-    if lags:
-        stats.update(median_s=lags[len(lags) // 2], p90_s=lags[min(len(lags) - 1, int(0.9 * len(lags)))],
-                     min_s=lags[0], mean_s=sum(lags) / len(lags),
-                     freshest_per_publish_s=[freshest[k] for k in sorted(freshest)])
-    return stats
-
-
-# ---- report -----------------------------------------------------------------------------------
-def _result(settings: Settings, minutes: float, objectives: list[str], shift: bool, users: int, runs: list[dict],
-            redis_external: bool) -> dict:
-    import transformers
-
-    summary = {}
-    for run in runs:
-        first, last = run["checkpoints"][0], run["checkpoints"][-1]
-        online = last["drafters"]["online"]
-        entry = {"acceptance_length_k4": [first["drafters"]["online"]["acceptance_length_k4"],
-                                          online["acceptance_length_k4"]],
-                 "ratio_b1": [first["drafters"]["online"]["ratio_b1"], online["ratio_b1"]],
-                 "ratio_b4": [first["drafters"]["online"].get("ratio_b4"), online.get("ratio_b4")],
-                 "publishes": len(run["publishes"]), "trained_records_per_s": run["throughput"]["trained_records_per_s"],
-                 "lag_median_s": run["lag"].get("median_s")}
-        if "frozen" in last["drafters"]:
-            frozen = last["drafters"]["frozen"]
-            entry["online_over_frozen_b1"] = online["b1"]["tokens_per_s"] / frozen["b1"]["tokens_per_s"]
-            entry["online_over_frozen_b4"] = (online["b4"]["tokens_per_s"] / frozen["b4"]["tokens_per_s"]
-                                              if "b4" in online else None)
-            entry["frozen_version"] = frozen["version"]
-        summary[run["name"]] = entry
-    return {
-        "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-        "child_threads": CHILD_THREADS, "model": settings.model,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()},
-        "minutes": minutes, "objectives": objectives, "shift": shift, "users": users,
-        "redis": "REDIS_URL" if redis_external else "embedded valkey",
-        "measurement": {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "fixed_k": FIXED_K, "traffic_tokens": TRAFFIC_TOKENS,
-                        "measure_every_min": MEASURE_EVERY_MIN, "mix": MIX, "shift_domains": SHIFT,
-                        "acceptance_length": "1 + accepted / drafting steps (tokens per verify step, bonus included)",
-                        "interference": "traffic drained and the trainer SIGSTOPped during every measurement; "
-                                        "times are on the traffic clock (pauses excluded)"},
-        "summary": summary, "runs": runs,
-    }
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def _print_table(result: dict) -> None:
-    print(f"{'run':<12} {'point':<8} {'min':>5} {'tokens':>7} {'trained':>7} {'drafter':>7} {'(recs)':>6} {'acc.k4':>6} "
-          f"{'spec':>6} {'plain':>6} {'B1 x':>5} {'med x':>5} {'B4 x':>5}")
-    for run in result["runs"]:
-        for c in run["checkpoints"]:
-            for label, d in c["drafters"].items():
-                name = run["name"] + ("" if label == "online" else f" ({label})")
-                print(f"{name:<12} {c['label']:<8} {c['traffic_s'] / 60:>5.1f} {c['traffic_tokens']:>7} "
-                      f"{c['trainer_records']:>7} {d['version']:>7} {c['drafter_records'] if label == 'online' else '-':>6} "
-                      f"{_fmt(d['acceptance_length_k4']):>6} "
-                      f"{d['b1']['tokens_per_s']:>6.1f} {c['plain']['b1']['tokens_per_s']:>6.1f} "
-                      f"{d['ratio_b1']:>5.2f} {d['ratio_b1_median']:>5.2f} {_fmt(d.get('ratio_b4')):>5}")
-    for run in result["runs"]:
-        t, lag = run["throughput"], run["lag"]
-        print(f"{run['name']}: {len(run['publishes'])} publishes; trainer {t['trained_records_per_s']:.2f} records/s "
-              f"trained, traffic {t['stream_records_per_s']:.2f} records/s, backlog at end {t['backlog_at_end']}; "
-              f"lag completion -> published drafter median {_fmt(lag.get('median_s'))} s, p90 {_fmt(lag.get('p90_s'))} s "
-              f"({lag['not_yet_published']} of {lag['records']} records not yet in a published drafter)")
-        s = result["summary"][run["name"]]
-        if "online_over_frozen_b1" in s:
-            print(f"{run['name']}: online / frozen ({s['frozen_version']}) tokens/s on held-out "
-                  f"{SHIFT[1]}: B=1 {s['online_over_frozen_b1']:.2f}x, B=4 {_fmt(s['online_over_frozen_b4'])}x")
-
-
-def _plot(result: dict, path: Path) -> None:
-    """Acceptance length and speed ratio over traffic time (publishes marked), acceptance length vs
-    traffic tokens per objective, and the served acceptance length (or the shift comparison)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, 8))
-    (acc, ratio), (objectives, extra) = fig.subplots(2, 2)
-    colors = [f"C{i}" for i in range(10)]
-    for run, color in zip(result["runs"], colors):
-        points = run["checkpoints"]
-        minutes = [c["traffic_s"] / 60 for c in points]
-        online = [c["drafters"]["online"] for c in points]
-        acc.plot(minutes, [d["acceptance_length_k4"] or 1.0 for d in online], "o-", color=color, label=run["name"])
-        evals = [e for e in run["evaluations"] if e.get("candidate_tau") not in (None, "None")]
-        acc.plot([e["traffic_s"] / 60 for e in evals], [float(e["candidate_tau"]) for e in evals], ":", color=color,
-                 alpha=0.6, label=f"{run['name']}: trainer's held-out tau")
-        ratio.plot(minutes, [d["ratio_b1"] for d in online], "o-", color=color, label=f"{run['name']} B=1")
-        b4 = [(m, d["ratio_b4"]) for m, d in zip(minutes, online) if "ratio_b4" in d]
-        if b4:
-            ratio.plot(*zip(*b4), "s--", color=color, mfc="none", label=f"{run['name']} B=4")
-        for p in run["publishes"]:
-            for ax in (acc, ratio):
-                ax.axvline(p["traffic_s"] / 60, color=color, alpha=0.25, linewidth=0.8)
-        if "frozen" not in points[-1]["drafters"]:
-            objectives.plot([c["traffic_tokens"] / 1000 for c in points], [d["acceptance_length_k4"] or 1.0 for d in online],
-                            "o-", color=color, label=run["objective"])
-            if not result["shift"]:
-                served = [s for s in run["served"] if s.get("acceptance_length")]
-                extra.plot([s["traffic_s"] / 60 for s in served], [s["acceptance_length"] for s in served],
-                           color=color, label=run["name"])
-        else:
-            last = points[-1]
-            names = ["plain", "frozen", "online"]
-            values = [last["plain"]["b1"]["tokens_per_s"], last["drafters"]["frozen"]["b1"]["tokens_per_s"],
-                      last["drafters"]["online"]["b1"]["tokens_per_s"]]
-            extra.bar([f"{n}\n{run['name']}" for n in names], values, color=["grey", "tab:blue", color])
-            extra.set_ylabel(f"tokens/s B=1, held-out {SHIFT[1]}")
-    acc.set(ylabel=f"acceptance length (k={FIXED_K}, held-out)", xlabel="traffic minutes (vertical: publishes)")
-    ratio.axhline(1.0, color="black", linewidth=0.8)
-    ratio.axhline(1.3, color="grey", linestyle=":", linewidth=0.8)
-    ratio.set(ylabel="tokens/s adaptive / plain", xlabel="traffic minutes")
-    objectives.set(ylabel=f"acceptance length (k={FIXED_K})", xlabel="traffic completion tokens (thousands)",
-                   title="objectives")
-    if not extra.get_ylabel():
-        extra.set(ylabel="served acceptance length (live /metrics)", xlabel="traffic minutes")
-    for ax in (acc, ratio, objectives, extra):
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="x-small")
-    fig.suptitle(f"bench adapt: {result['model']}, {result['minutes']:g} min of traffic per run, {result['users']} users")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specrl.errors import SpecrlError
 from specrl.models.llama import load_llama
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer, Rollout
 from specrl.weights import WeightsStore
@@ -72,3 +73,49 @@ def test_published_policy_loads_back(trainer, tmp_path, tiny_dir):
     for (name, a), b in zip(trainer.policy.named_parameters(), loaded.parameters()):
         assert torch.equal(a.detach(), b), name
     assert store.manifest("policy", version).parent == "base"
+
+
+def _same_weights(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.policy.parameters(), b.policy.parameters()))
+
+
+def test_a_restarted_trainer_resumes_from_its_last_publish(tiny_dir, tmp_path):
+    """Policy, optimizer moments, step count and published versions survive a restart; steps after
+    the last publish are what a crash loses."""
+    store, state = WeightsStore(tmp_path / "store"), tmp_path / "grpo.pt"
+    first = GRPOTrainer(tiny_dir, GRPOConfig(lr=1e-3), state_path=state, store=store)
+    good, bad = [11, 12, 13], [21, 22, 23]
+    first.step([rollout(first, good, 1.0), rollout(first, bad, 0.0)])
+    version = first.publish(store, {})
+    resumed = GRPOTrainer(tiny_dir, GRPOConfig(lr=1e-3), state_path=state, store=store)
+    assert resumed.published == ["base", version] and resumed.steps == 1 and _same_weights(first, resumed)
+    moments = [resumed.optimizer.state[p]["exp_avg"] for p in resumed.policy.parameters()]
+    assert all(torch.equal(m, first.optimizer.state[p]["exp_avg"]) for m, p in zip(moments, first.policy.parameters()))
+    # both take the same next step from the same state
+    first.step([rollout(first, good, 1.0, version), rollout(first, bad, 0.0, version)])
+    resumed.step([rollout(resumed, good, 1.0, version), rollout(resumed, bad, 0.0, version)])
+    assert _same_weights(first, resumed)
+    # an unpublished step is lost: a restart goes back to the published policy
+    again = GRPOTrainer(tiny_dir, GRPOConfig(lr=1e-3), state_path=state, store=store)
+    assert again.steps == 1 and not _same_weights(first, again)
+
+
+def test_a_publish_the_checkpoint_missed_is_resumed_from_the_store(tiny_dir, tmp_path):
+    store, state = WeightsStore(tmp_path / "store"), tmp_path / "grpo.pt"
+    first = GRPOTrainer(tiny_dir, GRPOConfig(lr=1e-3), state_path=state, store=store)
+    first.step([rollout(first, [11, 12], 1.0), rollout(first, [21, 22], 0.0)])
+    v1 = first.publish(store, {})
+    older = state.read_bytes()
+    first.step([rollout(first, [11, 12], 1.0, v1), rollout(first, [21, 22], 0.0, v1)])
+    v2 = first.publish(store, {})
+    state.write_bytes(older)  # killed after publishing v2, before its checkpoint
+    resumed = GRPOTrainer(tiny_dir, GRPOConfig(lr=1e-3), state_path=state, store=store)
+    assert resumed.published == ["base", v1, v2] and resumed.version == v2
+    assert _same_weights(first, resumed)
+
+
+def test_a_state_for_another_model_is_a_clear_error(tiny_dir, tmp_path):
+    state = tmp_path / "grpo.pt"
+    torch.save({"policy": {"embed": torch.zeros(3, 3)}, "optimizer": {}, "steps": 0, "published": ["base"]}, state)
+    with pytest.raises(SpecrlError, match="does not fit this model"):
+        GRPOTrainer(tiny_dir, GRPOConfig(), state_path=state)

@@ -7,9 +7,11 @@ import pytest
 import redis
 
 from specrl.config import Settings
+from specrl.errors import SpecrlError
 from specrl.launch import free_port
-from specrl.trainer.grpo import GRPOConfig
-from specrl.trainer.rl import run_rl
+from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
+from specrl.trainer.rl import policy_state_path, run_rl
+from specrl.weights import WeightsStore
 from tests.serving.conftest import REDIS_URL
 
 pytestmark = pytest.mark.redis
@@ -33,6 +35,10 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
     assert all(p["swap_ms"] >= 0 for p in report["publishes"] if "version" in p)
     if published:
         assert report["evals"][-1]["policy"] == published[-1]
+        # `specrl rl` again on this deployment: the policy trainer resumes from its last publish
+        resumed = GRPOTrainer(tiny_dir, GRPOConfig(), state_path=policy_state_path(settings),
+                              store=WeightsStore(settings.store_path))
+        assert resumed.version == published[-1] and resumed.published[1:] == published
     assert all(0.0 <= e["reward"] <= 1.0 for e in report["evals"])
     # one recovery entry per policy swap seen in the /metrics samples, the last swap included
     recovery = report["recovery"]
@@ -42,6 +48,9 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
         assert swap["pre"] is None or swap["pre"] >= 1.0
         assert (swap["tokens_to_recover"] is not None) == bool(swap["recovered"])
     assert any(s["eval"] for s in report["samples"]) and not all(s["eval"] for s in report["samples"])
+    for e in report["drafter_evaluations"]:  # the drafter trainer's own held-out curve, from its log
+        assert e["t"] >= 0 and e["records"] >= 0
+        assert e["serving_tau"] is None or 1.0 <= e["serving_tau"] <= 5.0
     speed = report["speed"]
     assert speed["ratio"] > 0 and speed["policy"] == speed["policy_without"] == report["evals"][-1]["policy"]
     for arm in ("with_speculation", "without_speculation"):
@@ -50,3 +59,15 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
                    for name in ("server.log", "drafter-trainer.log", "server-no-speculation.log"))
     assert "Traceback" not in logs
     assert (tmp_path / "run" / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_store_serving_a_policy_this_deployment_did_not_train_is_refused(home, tmp_path, tiny_dir):
+    """GRPO would start from the base model while the server serves a later policy: every rollout
+    would be beyond the staleness bound. One clear error, before any process starts."""
+    store = WeightsStore(tmp_path / "store")
+    version = store.publish("policy", tiny_dir, make_current=True).version
+    settings = Settings.load(home=home, model="tiny-random", deployment=f"test-rl-{uuid.uuid4().hex[:8]}",
+                             redis_url=REDIS_URL, port=free_port(), store=str(tmp_path / "store"))
+    with pytest.raises(SpecrlError, match=f"already serves policy {version}"):
+        run_rl(settings, env_name="format", minutes=0.1, out_dir=str(tmp_path / "run"))
+    assert not list((tmp_path / "run").glob("*.log"))

@@ -89,7 +89,7 @@ def export_vllm(drafter_dir: Path, target_dir: Path, out_dir: Path) -> Path:
     state = load_file(str(drafter_dir / WEIGHTS_FILE))
     tensors = eagle_layer_tensors(state, cfg)
     extra = {INPUT_NORM: tensors.pop(INPUT_NORM), **draft_head_tensors(state, cfg)}
-    source = TensorSource(files=sorted(target_dir.glob("*.safetensors")))
+    source = TensorSource.from_dir(target_dir)
     tensors["embed_tokens.weight"] = source.get("model.embed_tokens.weight").float().contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"))

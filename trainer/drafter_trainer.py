@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 import zlib
 from collections import deque
@@ -36,6 +35,7 @@ from specrl.models.llama import Llama, load_llama
 from specrl.spec.simulate import simulate_greedy
 from specrl.telemetry.reader import RecordReader
 from specrl.trainer.canary import Canary
+from specrl.trainer.checkpoint import save_checkpoint
 from specrl.trainer.contexts import ContextBook, Example
 from specrl.trainer.objectives import OBJECTIVES, drafter_loss, forward_kl
 from specrl.trainer.publisher import Publisher
@@ -294,10 +294,7 @@ class DrafterTrainer:
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                  "records": self.records, "serving_version": self.serving_version, "book": self.book.state(),
                  "history": self.history}
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.state_path)
+        save_checkpoint(state, self.state_path)
 
     def load_state(self) -> None:
         if not self.state_path.is_file():

@@ -48,7 +48,7 @@ def evaluate_policies(settings: Settings, env_name: str, versions: list[str], ta
     rewards: dict[str, list[float]] = {}
     for version, directory in directories.items():
         started = time.monotonic()
-        engine = Engine(load_llama(directory), tokenizer, settings.replace(drafter="none"), calibrate=False)
+        engine = Engine(load_llama(directory), tokenizer, settings.replace(drafter="none"))
         completions = engine.generate(prompts, params)
         rewards[version] = [safe_score(env, t, c.text).reward for t, c in zip(heldout, completions)]
         mean, ci = mean_and_ci(rewards[version])

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -35,10 +34,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specrl.errors import SpecrlError
-from specrl.models.llama import load_llama
+from specrl.models.llama import TensorSource, load_llama
+from specrl.trainer.checkpoint import save_checkpoint
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.trainer.grpo")
@@ -170,12 +170,8 @@ class GRPOTrainer:
         """Checkpoint (atomic rename): policy, optimizer moments, step count, published versions."""
         if self.state_path is None:
             return
-        state = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps,
-                 "published": self.published}
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.state_path)
+        save_checkpoint({"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                         "steps": self.steps, "published": self.published}, self.state_path)
 
     def _resume(self, store: WeightsStore | None) -> None:
         state = torch.load(self.state_path, weights_only=False)
@@ -188,7 +184,7 @@ class GRPOTrainer:
         self.steps, self.published = state["steps"], list(state["published"])
         children = [m.version for m in store.versions("policy") if m.parent == self.version] if store else []
         if children:  # published, then killed before the checkpoint: that version is this trainer's newest
-            self.policy.load_hf_state(load_file(str(store.verify("policy", children[-1]) / "model.safetensors")))
+            self.policy.load_hf_state(TensorSource.from_dir(store.verify("policy", children[-1])))
             self.published.append(children[-1])
         log.info("event=resume state=%s steps=%d policy=%s", self.state_path, self.steps, self.version)
 

@@ -121,7 +121,7 @@ def summary_lines(report: dict) -> list[str]:
         bound = recovery["max_tokens_to_recover"]
         lines.append(f"  recovered {recovery['recovered']}/{len(recovery['swaps'])} swaps"
                      + (f", each within {bound:,} rollout tokens" if bound is not None else ""))
-    tau = [e["serving_tau"] for e in report.get("drafter_evaluations", []) if e["serving_tau"] is not None]
+    tau = [e["serving_tau"] for e in _drafter_tau(report)]
     if tau:
         lines.append(f"drafter trainer: serving drafter's exact acceptance length (k=4, held-out records) "
                      f"{tau[0]:.2f} -> {tau[-1]:.2f} over {len(tau)} evaluations (min {min(tau):.2f}, max {max(tau):.2f})")
@@ -133,6 +133,11 @@ def summary_lines(report: dict) -> list[str]:
     elif "error" in speed:
         lines.append(f"rollout tokens/s with and without speculation: not measured ({speed['error']})")
     return lines
+
+
+def _drafter_tau(report: dict) -> list[dict]:
+    """The drafter trainer's evaluations that measured a serving drafter."""
+    return [e for e in report.get("drafter_evaluations", []) if e["serving_tau"] is not None]
 
 
 def _fmt(value: float | None) -> str:
@@ -161,7 +166,7 @@ def _plot(path: Path, report: dict) -> None:
             ax2.hlines((1 - recovery["tolerance"]) * swap["pre"], swap["t"], end, color="grey", linewidth=1)
         if swap["recovered"]:
             ax2.plot(swap["t_recovered"], swap["recovered_value"], "v", color="tab:green")
-    tau = [e for e in report.get("drafter_evaluations", []) if e["serving_tau"] is not None]
+    tau = _drafter_tau(report)
     if tau:
         ax2.plot([e["t"] for e in tau], [e["serving_tau"] for e in tau], "o-", color="tab:orange", markersize=3,
                  label="serving drafter, exact k=4 on held-out records (drafter trainer)")

@@ -230,6 +230,11 @@ class TensorSource:
             handle = safe_open(str(path), framework="pt")
             self._handles.update({key: handle for key in handle.keys()})
 
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "TensorSource":
+        """Every *.safetensors file of an HF model directory."""
+        return cls(files=sorted(Path(model_dir).glob("*.safetensors")))
+
     def shape(self, name: str) -> tuple[int, ...] | None:
         if name in self._tensors:
             return tuple(self._tensors[name].shape)
@@ -267,5 +272,5 @@ def load_llama(model_dir: Path) -> Llama:
     if not (model_dir / "config.json").is_file():
         raise ModelNotFoundError(f"{model_dir} has no config.json")
     model = Llama(LlamaConfig.from_dir(model_dir))
-    model.load_hf_state(TensorSource(files=sorted(model_dir.glob("*.safetensors"))))
+    model.load_hf_state(TensorSource.from_dir(model_dir))
     return model

@@ -1,26 +1,45 @@
-"""The matmul call for a linear layer, picked by the number of rows.
+"""The matmul call for a linear layer: plain for training, calibrated for inference.
 
-On this CPU (FACTS.md, re-measured with torch 2.13 MKL, 2 threads, head [49152, 576]):
-`F.linear` costs about the same for 1 to 8 rows, while `W @ x.T` on the [out, in] weight
-costs 2.4 ms at 2 rows, 3.7 ms at 5 and 7.4 ms at 8 against 11-14 ms for `F.linear`. A
-single row is slower through that call than two, so one row is padded to two.
-Decode and verify forwards are all small-M: this is what makes a k-token verify cost
-~1.5x one token instead of ~2x. Large M (prefill, training) goes through `F.linear`.
+`linear(x, weight)` with a plain [OUT, IN] tensor is the training path (and the default for
+a model nobody prepared): `F.linear` for large M or under autograd, `W @ x.T` with row-major
+rows in and out for <= 16 rows (a column-major input takes MKL's other path, measured 5x slower).
 
-Rows go in and come out row-major (below). Measured on a later, slower machine (SmolLM2, 1
-thread, B=1, context 120): a forward over T=1/2/3/5 positions cost 38/39/57/73 ms with that,
-40/70/79/99 ms without it, when each result (a transposed view) reached the next layer as a
-column-major input.
+An inference model holds each weight as a `PackedLinear` instead: ONE copy of the weight in
+one storage, and per row count the call measured fastest from that storage on this machine
+(`specrl.models.calibration` measures and picks). No call wins everywhere, and which one wins
+depends on the CPU (measured: on an AVX2 EPYC `x @ Wt` wins at one row and oneDNN's packed
+layout from two rows on; on an AVX-512 one oneDNN wins from three rows), so nothing here is
+hard-coded to one machine.
+
+Storages (`STORAGES`): `plain` [OUT, IN] (the checkpoint's), `transposed` [IN, OUT]
+contiguous, `onednn` (oneDNN's blocked layout, an opaque mkldnn tensor: no row access).
+Calls (`CALLS`) take x2 [M, IN] row-major and return [M, OUT] row-major, in the weight's dtype
+(float32 or bfloat16; the libraries accumulate bf16 products in float32).
+
+Measured and left out (AVX2 EPYC, torch 2.13, 1 thread, SmolLM2's linears, ms per forward at
+M=1/5/8): MKL's packed GEMM (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`,
+31.3/73.6/77.1 against oneDNN's 35.7/49.4/61.6) packs for ONE row count, falls back to the
+original weight for any other (two copies), and its buffer is 3.6x the weight; `Wt.t() @ x.t()`
+(800+ at M>=2); oneDNN on an unpacked weight (`_linear_pointwise` on [OUT, IN]: 1.5-1.9x the
+packed one from M=2); torch.compile (see llama.py).
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 SMALL_M = 16
+MAX_ROWS = 512  # row counts above this use the call chosen for this many rows
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., IN] float32, weight [OUT, IN] float32 -> [..., OUT]."""
+def linear(x: torch.Tensor, weight: "torch.Tensor | PackedLinear") -> torch.Tensor:
+    """x [..., IN] float32/bfloat16, weight [OUT, IN] (or a PackedLinear) -> [..., OUT]."""
+    if isinstance(weight, PackedLinear):
+        return weight(x)
     rows = x.numel() // x.shape[-1]
     if rows > SMALL_M or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight)
@@ -32,3 +51,114 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x2 = torch.cat([x2, x2])
     out = (weight @ x2.t()).t()[:rows].contiguous()
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass(frozen=True)
+class Storage:
+    name: str
+    pack: Callable[[torch.Tensor], torch.Tensor]  # plain [OUT, IN] -> stored
+    unpack: Callable[[torch.Tensor], torch.Tensor]  # stored -> plain [OUT, IN] (a view when it can be)
+    rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None  # (stored, ids [N]) -> [N, IN]; None: no row access
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    # The pack hint is a row count; measured on the AVX2 EPYC (torch 2.13, 1 thread): hints 2..512
+    # give the same layout and speed at every M, hint 1 one that is 1.7x slower from 2 rows on.
+    return torch.ops.mkldnn._reorder_linear_weight(w, SMALL_M)
+
+
+STORAGES = {
+    "plain": Storage("plain", lambda w: w, lambda s: s, lambda s, ids: F.embedding(ids, s)),
+    "transposed": Storage("transposed", lambda w: w.t().contiguous(), lambda s: s.t(),
+                          lambda s, ids: s.index_select(1, ids).t()),
+    "onednn": Storage("onednn", _onednn_pack, lambda s: s.to_dense(), None),
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    storage: str
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x2 [M, IN], stored) -> [M, OUT]
+    max_rows: int = MAX_ROWS  # 1: a single-row (matrix-vector) call
+
+
+def _w_xt(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (w @ x2.t()).t().contiguous()
+
+
+def _w_xt_pad2(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (w @ torch.cat([x2, x2]).t()).t()[:1].contiguous()
+
+
+def _onednn(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
+
+
+CALLS = {c.name: c for c in [
+    Call("F.linear", "plain", lambda x2, w: F.linear(x2, w)),
+    Call("W@x.T", "plain", _w_xt),
+    Call("W@x.T pad2", "plain", _w_xt_pad2, max_rows=1),  # the old `linear`'s single row
+    Call("mv", "plain", lambda x2, w: torch.mv(w, x2[0])[None], max_rows=1),
+    Call("x@Wt", "transposed", lambda x2, wt: x2 @ wt),
+    Call("mv Wt", "transposed", lambda x2, wt: torch.mv(wt.t(), x2[0])[None], max_rows=1),
+    Call("onednn", "onednn", _onednn),
+]}
+
+
+def calls_for(storage: str, rows: int) -> list[Call]:
+    return [c for c in CALLS.values() if c.storage == storage and rows <= c.max_rows]
+
+
+class PackedLinear:
+    """One inference weight: stored once as `storage`, called by the call chosen per row bucket.
+
+    `buckets` (ascending row counts) and `calls` (a call name per bucket): rows M use the call of
+    the smallest bucket >= M (the last bucket's above it)."""
+
+    def __init__(self, weight: torch.Tensor, storage: str, buckets: tuple[int, ...], calls: tuple[str, ...]):
+        """weight [OUT, IN] plain; the PackedLinear keeps the packed copy only."""
+        if any(CALLS[c].storage != storage for c in calls):
+            raise ValueError(f"calls {calls} do not all work from storage {storage!r}")
+        self.shape, self.dtype, self.storage = tuple(weight.shape), weight.dtype, storage
+        self.out_features, self.in_features = self.shape
+        self.stored = STORAGES[storage].pack(weight.detach().contiguous())
+        self.calls = dict(zip(buckets, calls))
+        self._by_rows: list[Callable] = []
+        for rows in range(MAX_ROWS + 1):
+            bucket = next((b for b in buckets if b >= rows), buckets[-1])
+            self._by_rows.append(CALLS[self.calls[bucket]].fn)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., IN] in the weight's dtype -> [..., OUT]."""
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = self._by_rows[min(x2.shape[0], MAX_ROWS)](x2, self.stored)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def plain(self) -> torch.Tensor:
+        """-> [OUT, IN]: the weight in the checkpoint's layout (a copy for a packed storage)."""
+        return STORAGES[self.storage].unpack(self.stored)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] int64 -> [..., IN]: weight rows (the embedding lookup of a tied head)."""
+        lookup = STORAGES[self.storage].rows
+        if lookup is None:
+            raise ValueError(f"a {self.storage!r} weight has no row access (tied embeddings need plain or transposed)")
+        return lookup(self.stored, ids.reshape(-1)).reshape(*ids.shape, self.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (oneDNN's blocked layout may pad: its own size, not OUT x IN)."""
+        if self.stored.is_mkldnn:
+            return int(torch.ops.mkldnn._nbytes(self.stored))
+        return self.stored.untyped_storage().nbytes()
+
+    def __repr__(self) -> str:
+        return f"PackedLinear({list(self.shape)}, {self.dtype}, storage={self.storage}, calls={self.calls})"
+
+
+def plain_weight(weight: "torch.Tensor | PackedLinear") -> torch.Tensor:
+    """[OUT, IN] in the checkpoint's layout, whichever way the weight is held."""
+    return weight.plain() if isinstance(weight, PackedLinear) else weight.detach()

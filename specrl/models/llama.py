@@ -6,8 +6,17 @@ the last layer's hidden states (pre final norm: the drafter's features). Logits 
 computed only for the rows asked for (`logits`), so a prefill never pays for the head over
 the whole prompt.
 
-Weights are plain tensors fused at load time (q|k|v, gate|up) and loaded by copying into
-the existing tensors: the cheapest hot swap, and nothing is reallocated.
+Weights are plain tensors fused at load time (q|k|v, gate|up), read straight from the
+safetensors files into the parameters. For serving, `load_llama(dir, plan)` then packs every
+linear once as the start-up calibration chose for this CPU (`specrl.models.calibration`),
+in float32 or bfloat16; training builds and backpropagates through the plain form.
+
+Left out, measured (AVX2 EPYC, 1 thread, SmolLM2, context 120): torch.compile (inductor CPU,
+dynamic shapes) of the decoder layer. It cannot take oneDNN's opaque packed weights; with the
+linears left eager it compiled 6-12 s per new (B, T) case, failed on a masked one, and ran
+1.16x / 1.22x slower at B x T = 1x1 / 1x5 (five graphs a layer, ~35 us of guards and wrapper
+each); compiled pieces alone (residual+norm, silu*up, rope) took 38-54 us a call against
+7-17 us eager.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +32,10 @@ from torch import nn
 
 from specrl.errors import ModelNotFoundError
 from specrl.models.kv_cache import CacheBatch, KVCache
-from specrl.models.linear import linear
+from specrl.models.linear import PackedLinear, linear, plain_weight
+
+if TYPE_CHECKING:
+    from specrl.models.calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -76,116 +89,207 @@ class LlamaConfig:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """x [..., H] -> [..., H]; bfloat16 is normalised in float32 and cast back (as HF does).
+    (`F.rms_norm` is no fused kernel on CPU: measured 10-15% slower than these six ops.)"""
+    if x.dtype == torch.float32:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 class Rope:
-    """Rotary embedding tables [max_pos, D] computed once (HF's rotate-half convention)."""
+    """Rotary embedding tables [max_pos, D] computed once (HF's rotate-half convention).
 
-    def __init__(self, head_dim: int, theta: float, max_pos: int):
+    `sin` carries rotate-half's sign (-sin on the first half), so a rotation is
+    x * cos + swap_halves(x) * sin: bit-identical to HF's x * cos + rotate_half(x) * sin."""
+
+    def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype = torch.float32):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()
+        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).float().to(dtype)
+        self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).float().to(dtype)
+
+    def to(self, dtype: torch.dtype) -> "Rope":
+        self.cos, self.sin = self.cos.to(dtype), self.sin.to(dtype)
+        return self
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, D] (broadcast over heads)."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+        """positions [B, T] -> cos, sin [B, T, 1, D] (broadcast over heads)."""
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D], cos/sin [B, T, 1, D] (Rope.tables) -> x rotated, [B, T, heads, D]."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, torch.cat([x[..., half:], x[..., :half]], dim=-1), sin)
+
+
+def _set_weight(module: nn.Module, name: str, value: "torch.Tensor | PackedLinear") -> None:
+    """Replace a parameter by an inference weight (a PackedLinear is no parameter: not trained, not saved)."""
+    module._parameters.pop(name, None)
+    if isinstance(value, PackedLinear):
+        object.__setattr__(module, name, value)
+    else:
+        module.register_parameter(name, nn.Parameter(value, requires_grad=False))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP. `input_norm=False` drops the first norm (EAGLE heads)."""
+    """Pre-norm attention + SwiGLU MLP (the target's layers, and the EAGLE head's one layer)."""
 
-    def __init__(self, cfg: LlamaConfig, input_norm: bool = True):
+    LINEARS = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
-        self.input_norm = nn.Parameter(torch.ones(h)) if input_norm else None
-        self.qkv = nn.Parameter(torch.empty((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h))
-        self.o = nn.Parameter(torch.empty(h, cfg.num_heads * d))
-        self.post_norm = nn.Parameter(torch.ones(h))
-        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h))
-        self.down = nn.Parameter(torch.empty(h, cfg.intermediate_size))
+        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.qkv = nn.Parameter(torch.empty((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, dtype=dtype))
+        self.o = nn.Parameter(torch.empty(h, cfg.num_heads * d, dtype=dtype))
+        self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(h, cfg.intermediate_size, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None, batch: CacheBatch | None) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]. With `cache` (this layer's [S, KVH, MAX, D] k and v) the new
-        keys are written to the batch's slots and attention reads the slot's history; without,
-        attention is causal over the T tokens alone (training)."""
+    def prepare_inference(self, plan: "Calibration") -> None:
+        """Pack the four linears as `plan` chose, in its dtype; norms cast to it."""
+        for name in self.LINEARS:
+            _set_weight(self, name, plan.pack(getattr(self, name)))
+        for name in ("input_norm", "post_norm"):
+            _set_weight(self, name, getattr(self, name).detach().to(plan.dtype))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: CacheBatch | None,
+                index: int = 0) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]; cos/sin [B, T, 1, D]. With a cache `batch` the new keys go to
+        layer `index` of its cache at the batch's slots and attention reads the slot's history;
+        without, attention is causal over the T tokens alone (training)."""
         cfg = self.cfg
+        nh, kvh = cfg.num_heads, cfg.num_kv_heads
         residual = x
-        if self.input_norm is not None:
-            x = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        x = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         bsz, t, _ = x.shape
-        q, k, v = linear(x, self.qkv).split(
-            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1)
-        q = apply_rope(q.view(bsz, t, cfg.num_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(bsz, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-        v = v.view(bsz, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        if cache is None:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        qkv = linear(x, self.qkv).view(bsz, t, nh + 2 * kvh, cfg.head_dim)
+        qk = apply_rope(qkv[:, :, : nh + kvh], cos, sin)  # q and k rotated in one go
+        q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + kvh:]
+        if batch is None:
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
-            batch.write(cache[0], cache[1], k, v)
-            keys, values = batch.read(cache[0], cache[1])
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
-        x = residual + linear(attn.transpose(1, 2).reshape(bsz, t, -1), self.o)
+            attn = batch.attend(index, q, k, v)
+        x = residual + linear(attn.reshape(bsz, t, nh * cfg.head_dim), self.o)
         gate, up = linear(rms_norm(x, self.post_norm, cfg.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down)
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """The target. Built with plain float32 parameters (what the trainers backpropagate through);
+    `prepare_inference(plan)` turns it into the serving form: each linear packed once as the
+    calibration chose, in its dtype (bfloat16 where the CPU has native bf16), KV cache in it too."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype=dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         # Tied embeddings share one tensor, so a swap that copies into `embed` updates the head too.
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, dtype)
+        self.prepared = False
         self.requires_grad_(False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    def prepare_inference(self, plan: "Calibration") -> "Llama":
+        """Pack every linear (layers and head) once, as `plan` measured fastest here, in plan.dtype.
+
+        A tied head stays a weight with row access (plain or transposed storage, whichever `plan`
+        measured faster): the embedding lookup reads its rows, so no second copy is kept. The cost,
+        measured for SmolLM2's [49152, 576] head on the AVX2 EPYC (1 thread): a oneDNN-packed copy
+        would take 6.7 / 10.9 / 12.0 ms at 1 / 5 / 8 rows against the plain head's best 7.4 / 12.8 /
+        17.2 (expected 17.1 against 21.7 ms over the row buckets), for +113 MB (+21% of the model).
+        Inference only: afterwards `load_hf_state` refuses (load into a fresh model), `hf_state`
+        unpacks."""
+        if self.prepared:
+            raise ValueError("this model is already prepared for inference")
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.prepare_inference(plan)
+            head = plan.pack(self.lm_head, head=True, tied=self.cfg.tie_word_embeddings)
+            if self.cfg.tie_word_embeddings:
+                _set_weight(self, "embed", head)
+            else:
+                _set_weight(self, "embed", self.embed.detach().to(plan.dtype))
+            _set_weight(self, "lm_head", head)
+            _set_weight(self, "norm", self.norm.detach().to(plan.dtype))
+        self.rope.to(plan.dtype)
+        self.prepared = True
+        return self
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(self.cfg.num_layers, num_slots, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return KVCache(self.cfg.num_layers, num_slots, max_len, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [...] int64 -> embeddings [..., H] in the model's dtype."""
+        if isinstance(self.embed, PackedLinear):
+            return self.embed.rows(tokens)
+        return F.embedding(tokens, self.embed)
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] int64 -> lm_head rows [N, H] (a reduced draft head's start)."""
+        if isinstance(self.lm_head, PackedLinear):
+            return plain_weight(self.lm_head)[ids]
+        return self.lm_head.detach()[ids]
 
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor | None = None, start: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """tokens [B, T] int64 at positions start[b] .. start[b]+T-1 of slot slots[b] -> hidden [B, T, H]
-        (the last layer's output before the final norm). Without a cache: whole sequences from
-        position 0, causal (the trainer's feature pass; right padding does not leak backwards)."""
-        x = F.embedding(tokens, self.embed)
+        float32 (the last layer's output before the final norm). Without a cache: whole sequences
+        from position 0, causal (the trainer's feature pass; right padding does not leak backwards)."""
+        x = self.embed_tokens(tokens)
         if cache is None:
             cos, sin = self.rope.tables(torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1))
             for layer in self.layers:
-                x = layer(x, cos, sin, None, None)
+                x = layer(x, cos, sin, None)
             return x
-        batch = CacheBatch.build(slots, start, tokens.shape[1])
+        batch = CacheBatch(cache, slots, start, tokens.shape[1])
         cos, sin = self.rope.tables(batch.positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, (cache.k[i], cache.v[i]), batch)
-        return x
+            x = layer(x, cos, sin, batch, i)
+        return x.float()
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] float32; `head` [V', H]: rows of lm_head to use instead."""
-        return linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head if head is None else head)
+        x = rms_norm(hidden.to(self.dtype), self.norm, self.cfg.rms_norm_eps)
+        return linear(x, self.lm_head if head is None else head).float()
+
+    def streamed_weight_bytes(self) -> int:
+        """Bytes of weights one decode forward reads: every layer linear plus the output head once."""
+        layer = sum(getattr(l, name).nbytes for l in self.layers for name in DecoderLayer.LINEARS)
+        return layer + self.lm_head.nbytes
 
     # ---- weights -------------------------------------------------------------------------
+    def _weights(self) -> dict[str, "torch.Tensor | PackedLinear"]:
+        """hf_layout's names -> this model's tensor (or packed weight) under that name."""
+        out = {}
+        for name in hf_layout(self.cfg):
+            owner, _, attr = name.rpartition(".")
+            out[name] = getattr(self.get_submodule(owner) if owner else self, attr)
+        return out
+
     def load_hf_state(self, source: "dict[str, torch.Tensor] | TensorSource") -> None:
         """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into this model,
-        one tensor at a time (q, k, v land in slices of the fused qkv; gate, up in gate_up), so
-        loading never holds a second copy of the weights.
+        one tensor at a time, read straight into the parameter (q, k, v land in row slices of the
+        fused qkv; gate, up in gate_up), so loading holds at most one tensor beyond the model.
 
         Names and shapes are all checked before anything is copied (WeightsMismatch names the
         first problem). Values are checked while copying; a non-finite tensor stops the load
         part-way, so load into a fresh model (hot swaps always do)."""
+        if self.prepared:
+            raise ValueError("a model prepared for inference cannot be loaded into: build a fresh one (load_llama)")
         source = source if isinstance(source, TensorSource) else TensorSource(source)
-        params = dict(self.named_parameters(remove_duplicate=True))
+        params = self._weights()
         layout = hf_layout(self.cfg)
         for name, parts in layout.items():
             shapes = [source.shape(part) for part in parts]
@@ -199,36 +303,52 @@ class Llama(nn.Module):
             for name, parts in layout.items():
                 offset = 0
                 for part in parts:
-                    value = source.get(part)
-                    if not value.dtype.is_floating_point or not torch.isfinite(value).all():
+                    rows = source.shape(part)[0]
+                    target = params[name][offset: offset + rows]
+                    dtype = source.dtype(part)
+                    if dtype is None or not dtype.is_floating_point:
                         raise WeightsMismatch(f"{part}: not finite floating-point values")
-                    params[name][offset: offset + value.shape[0]].copy_(value)
-                    offset += value.shape[0]
-
+                    source.read_into(part, target)
+                    if not torch.isfinite(target).all():
+                        raise WeightsMismatch(f"{part}: not finite floating-point values")
+                    offset += rows
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """This model's weights under HF Llama names (the inverse of `load_hf_state`)."""
-        cfg, params = self.cfg, dict(self.named_parameters(remove_duplicate=True))
+        """This model's weights under HF Llama names (the inverse of `load_hf_state`), unpacked."""
+        cfg = self.cfg
         qkv_rows = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        weights = self._weights()
         out = {}
         for name, parts in hf_layout(cfg).items():
-            rows = qkv_rows if name.endswith(".qkv") else [params[name].shape[0] // len(parts)] * len(parts)
-            for part, value in zip(parts, params[name].detach().split(rows)):
-                out[part] = value.contiguous()
+            value = plain_weight(weights[name])
+            rows = qkv_rows if name.endswith(".qkv") else [value.shape[0] // len(parts)] * len(parts)
+            for part, piece in zip(parts, value.split(rows)):
+                out[part] = piece.contiguous()
         return out
 
 
 class TensorSource:
-    """HF tensors by name, from a dict or lazily from safetensors files (shape without loading)."""
+    """HF tensors by name, from a dict or from safetensors files read with plain file reads.
+
+    A file tensor is read straight into the destination (`read_into`), not through a memory map:
+    mapped pages count in the process's RSS until the map closes, so loading SmolLM2 through
+    `safe_open` peaked at the model plus the whole 538 MB file."""
+
+    DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
 
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None, files: list[Path] | None = None):
-        from safetensors import safe_open
-
         self._tensors = tensors or {}
-        self._handles = {}
+        self._entries: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}  # path, dtype, shape, begin, end
         for path in files or []:
-            handle = safe_open(str(path), framework="pt")
-            self._handles.update({key: handle for key in handle.keys()})
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            for key, meta in header.items():
+                if key != "__metadata__":
+                    begin, end = meta["data_offsets"]
+                    self._entries[key] = (Path(path), meta["dtype"], tuple(meta["shape"]), 8 + size + begin, 8 + size + end)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "TensorSource":
@@ -238,12 +358,41 @@ class TensorSource:
     def shape(self, name: str) -> tuple[int, ...] | None:
         if name in self._tensors:
             return tuple(self._tensors[name].shape)
-        if name in self._handles:
-            return tuple(self._handles[name].get_slice(name).get_shape())
+        if name in self._entries:
+            return self._entries[name][2]
         return None
 
+    def dtype(self, name: str) -> torch.dtype | None:
+        if name in self._tensors:
+            return self._tensors[name].dtype
+        return self.DTYPES.get(self._entries[name][1])
+
     def get(self, name: str) -> torch.Tensor:
-        return self._tensors[name] if name in self._tensors else self._handles[name].get_tensor(name)
+        if name in self._tensors:
+            return self._tensors[name]
+        if self.dtype(name) is None:
+            raise WeightsMismatch(f"{name}: dtype {self._entries[name][1]} is not supported")
+        out = torch.empty(self._entries[name][2], dtype=self.dtype(name))
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy tensor `name` into `out` (same shape, contiguous; cast to out's dtype when they
+        differ, through one temporary tensor)."""
+        if name in self._tensors:
+            out.copy_(self._tensors[name])
+            return
+        path, dtype, shape, begin, end = self._entries[name]
+        dest = out.detach() if self.dtype(name) == out.dtype else torch.empty(shape, dtype=self.dtype(name))
+        view = dest.view(torch.uint8).numpy().reshape(-1)
+        if end - begin != view.nbytes:
+            raise OSError(f"{name}: {end - begin} bytes in {path.name} for a {list(shape)} {dtype} tensor")
+        with open(path, "rb") as f:
+            f.seek(begin)
+            if f.readinto(view) != view.nbytes:
+                raise OSError(f"{name}: {path.name} is truncated")
+        if dest.data_ptr() != out.data_ptr():
+            out.copy_(dest)
 
 
 def hf_layout(cfg: LlamaConfig) -> dict[str, list[str]]:
@@ -266,11 +415,14 @@ class WeightsMismatch(ValueError):
     """A checkpoint whose tensors do not fit the model (names, shapes or values)."""
 
 
-def load_llama(model_dir: Path) -> Llama:
-    """Build the target from an HF safetensors directory (config.json + *.safetensors)."""
+def load_llama(model_dir: Path, plan: "Calibration | None" = None) -> Llama:
+    """Build the target from an HF safetensors directory (config.json + *.safetensors).
+
+    Without a plan: plain float32 parameters (training, tests). With one (the engine's, from
+    `Calibration.open`): read straight into parameters of plan.dtype, then packed for inference."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ModelNotFoundError(f"{model_dir} has no config.json")
-    model = Llama(LlamaConfig.from_dir(model_dir))
+    model = Llama(LlamaConfig.from_dir(model_dir), dtype=plan.dtype if plan is not None else torch.float32)
     model.load_hf_state(TensorSource.from_dir(model_dir))
-    return model
+    return model.prepare_inference(plan) if plan is not None else model

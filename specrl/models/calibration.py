@@ -1,0 +1,289 @@
+"""Start-up calibration of the linear calls: which storage and call each weight uses here.
+
+For every weight shape an inference model holds, every call of `linear.CALLS` is timed at every
+row bucket, from every storage this torch can build (oneDNN bf16 packing, for one, needs
+AVX-512 or AVX-NE-CONVERT). A weight then gets ONE storage, the one whose best calls minimise
+the expected slowdown over the buckets (per bucket: its fastest call's time / the fastest call
+from any storage, weighted by the bucket's share of forwards), and per bucket that storage's
+fastest call. A slowdown, not raw ms: a 512-row prefill costs 50x a decode row, so raw ms let a
+1% share of prefill forwards (compute-bound, where every storage is within ~10%) outweigh the
+decode buckets, and let one preempted sample there flip the choice.
+
+Bucket weights (the expected share of forwards at each row count M = B*T): B uniform over
+1..8; T=1 (plain decode, and every drafter step) 40%, T=2..5 (verify at k<=4) 50%, T=6..17 9%;
+prefill chunks (bucket 512) 1%. Heads never run over prefill rows: they are timed up to 48 rows
+(B*T for B<=8, k<=4; a head over more rows is compute-bound and keeps its 48-row call) and
+weighted without the prefill share.
+
+Timing: weights are cycled through a ring of copies twice the L3 size, so each call streams
+its weight from memory as a real forward does (30 layers of SmolLM2 are 478 MB: nothing stays
+cached between two uses of one weight). The fastest of a few calls: other processes only
+ever add time.
+
+Measurements are cached in `<directory>/linears-<dtype>.json` under a key (CPU model, the
+flags that matter, torch version, torch threads, dtype, this module's schema): a restart
+reads them back; a file with another key (another machine, torch or thread count) is measured
+again and overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for
+
+SCHEMA = 1
+BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 136, 512)
+HEAD_BUCKETS = tuple(b for b in BUCKETS if b <= 48)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
+DEFAULT_L3 = 32 << 20
+
+
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """-> (CPU model name, its flags) from /proc/cpuinfo; ("unknown", {}) where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown", frozenset()
+    fields = dict(line.split(":", 1) for line in text.splitlines()[:64] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("model name", "unknown"), frozenset(fields.get("flags", "").split())
+
+
+def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[torch.dtype, str]:
+    """"auto" | "float32" | "bfloat16" -> (the dtype, a one-line reason). auto: bfloat16 only where
+    the CPU has native bf16 dot products (avx512_bf16 or amx_bf16); without them bf16 is emulated
+    and measured 2.2x (1x5) to 4.9x (8x5 rows) slower than fp32 on an AVX2 EPYC."""
+    if requested not in ("auto", *DTYPES):
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16; got {requested!r}")
+    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if requested == "auto":
+        if native:
+            return torch.bfloat16, f"dtype=bfloat16 (auto: the CPU has {'+'.join(native)})"
+        return torch.float32, "dtype=float32 (auto: no native bf16 dot products, neither avx512_bf16 nor amx_bf16)"
+    return DTYPES[requested], f"dtype={requested} (requested)"
+
+
+def bucket_weights(buckets: tuple[int, ...], max_batch: int = 8, prefill_share: float = 0.01) -> dict[int, float]:
+    """The expected share of forwards per row bucket (module docstring), summing to 1."""
+    t_share = {1: 0.40, **{t: 0.50 / 4 for t in range(2, 6)}, **{t: 0.09 / 12 for t in range(6, 18)}}
+    weights = dict.fromkeys(buckets, 0.0)
+    for b in range(1, max_batch + 1):
+        for t, share in t_share.items():
+            weights[bucket_of(b * t, buckets)] += share / max_batch
+    if buckets[-1] >= 512:
+        weights[buckets[-1]] += prefill_share
+    total = sum(weights.values())
+    return {k: v / total for k, v in weights.items()}
+
+
+def bucket_of(rows: int, buckets: tuple[int, ...]) -> int:
+    return next((b for b in buckets if b >= rows), buckets[-1])
+
+
+@dataclass
+class Choice:
+    """One shape's pick: the storage, its call per bucket, and per storage the expected slowdown
+    (over the bucket weights, against the fastest call at each bucket from any allowed storage)
+    and the expected ms per call."""
+
+    storage: str
+    buckets: tuple[int, ...]
+    calls: tuple[str, ...]
+    slowdown: dict[str, float]
+    expected_ms: dict[str, float]
+
+
+@dataclass
+class Calibration:
+    """Measured calls for one (machine, torch, threads, dtype); packs weights for inference.
+
+    `note` is the one-line dtype reason the caller logs, with a measured slowdown warning when
+    bfloat16 was asked for on a CPU without native bf16."""
+
+    path: Path
+    dtype: torch.dtype
+    note: str
+    key: dict
+    shapes: dict = field(default_factory=dict)  # "OUTxIN" -> storage -> call -> [ms per bucket | None]
+    progress: bool = False
+    measure_s: float = 0.0  # seconds spent measuring in this process
+    _reference: "Calibration | None" = None  # float32 twin, to measure a bf16 slowdown against
+    _cost: list = field(default_factory=lambda: [0.0, 0.0])  # expected ms of what was packed: [this, fp32]
+
+    @classmethod
+    def open(cls, directory: Path, dtype: str = "auto", *, progress: bool = False,
+             flags: frozenset[str] | None = None) -> "Calibration":
+        """Read `<directory>/linears-<dtype>.json` if it was measured on this machine, torch and
+        thread count; else start empty (shapes are measured when first packed, then saved). Open
+        it after setting torch's thread count: the key records it. flags: for tests (fake CPUs)."""
+        model, cpu_flags = cpu_info()
+        flags = cpu_flags if flags is None else frozenset(flags)
+        torch_dtype, reason = resolve_dtype(dtype, flags)
+        name = next(k for k, v in DTYPES.items() if v == torch_dtype)
+        key = {"schema": SCHEMA, "cpu": model, "flags": sorted(flags & set(KEY_FLAGS)), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "dtype": name, "buckets": list(BUCKETS), "calls": sorted(CALLS)}
+        path = Path(directory) / f"linears-{name}.json"
+        shapes = {}
+        if path.is_file():
+            try:
+                saved = json.loads(path.read_text())
+                shapes = saved["shapes"] if saved.get("key") == key else {}
+            except (ValueError, KeyError, TypeError):
+                shapes = {}
+        calib = cls(path, torch_dtype, reason, key, shapes, progress)
+        if torch_dtype == torch.bfloat16 and not any(f in flags for f in NATIVE_BF16_FLAGS):
+            calib._reference = cls.open(directory, "float32", progress=progress, flags=flags)
+        return calib
+
+    # ---- packing ---------------------------------------------------------------------------
+    def pack(self, weight: torch.Tensor, *, head: bool = False, tied: bool = False) -> PackedLinear:
+        """weight [OUT, IN] (any float dtype) -> a PackedLinear in this calibration's dtype, its one
+        copy in the chosen storage. head: timed and weighted up to 48 rows; tied: the weight is also
+        an embedding, so only storages with row access qualify."""
+        choice = self.choose(tuple(weight.shape), head=head, tied=tied)
+        self._cost[0] += choice.expected_ms[choice.storage]
+        if self._reference is not None:
+            ref = self._reference.choose(tuple(weight.shape), head=head, tied=tied)
+            self._cost[1] += ref.expected_ms[ref.storage]
+        return PackedLinear(weight.to(self.dtype), choice.storage, choice.buckets, choice.calls)
+
+    def choose(self, shape: tuple[int, int], *, head: bool = False, tied: bool = False) -> Choice:
+        buckets = HEAD_BUCKETS if head else BUCKETS
+        measured = {s: calls for s, calls in self._measured(shape, buckets, tied).items()
+                    if not tied or STORAGES[s].rows is not None}
+        weights = bucket_weights(buckets, prefill_share=0.0 if head else 0.01)
+        best = {}  # storage -> per bucket (ms, call) of its fastest call
+        for storage, calls in measured.items():
+            per_bucket = [min(((ms[i], name) for name, ms in calls.items() if ms[i] is not None), default=None)
+                          for i in range(len(buckets))]
+            if all(per_bucket):
+                best[storage] = per_bucket
+        if not best:
+            raise RuntimeError(f"no linear call works for a {self.key['dtype']} weight {list(shape)} here")
+        fastest = [min(per_bucket[i][0] for per_bucket in best.values()) for i in range(len(buckets))]
+        slowdown = {s: sum(weights[b] * pb[i][0] / fastest[i] for i, b in enumerate(buckets)) for s, pb in best.items()}
+        expected = {s: sum(weights[b] * pb[i][0] for i, b in enumerate(buckets)) for s, pb in best.items()}
+        storage = min(slowdown, key=slowdown.get)
+        return Choice(storage, buckets, tuple(call for _, call in best[storage]), slowdown, expected)
+
+    def slowdown(self) -> float | None:
+        """bf16 without native support: expected matmul time of what was packed / the same in fp32."""
+        return self._cost[0] / self._cost[1] if self._reference is not None and self._cost[1] > 0 else None
+
+    def packed_note(self) -> str:
+        """`note`, plus the measured slowdown warning where bf16 is emulated (after packing)."""
+        ratio = self.slowdown()
+        if ratio is None:
+            return self.note
+        return (f"{self.note}: WARNING this CPU has no native bf16 dot products (no avx512_bf16/amx_bf16); "
+                f"its linears measured {ratio:.1f}x the float32 time (expected over the engine's row counts), "
+                f"use dtype=float32 or auto")
+
+    # ---- measuring -------------------------------------------------------------------------
+    def _measured(self, shape: tuple[int, int], buckets: tuple[int, ...], tied: bool) -> dict:
+        """storage -> call -> [ms per bucket | None] for `buckets`, measuring what is missing
+        (a tied weight needs only the storages with row access)."""
+        name = f"{shape[0]}x{shape[1]}"
+        have = self.shapes.setdefault(name, {})
+        wanted = [s for s, st in STORAGES.items() if not tied or st.rows is not None]
+        missing = [s for s in wanted if s not in have or have[s] and any(len(ms) < len(buckets) for ms in have[s].values())]
+        if missing:
+            started = time.perf_counter()
+            have.update(measure_shape(shape, self.dtype, buckets, missing, progress=self.progress))
+            for storage in missing:
+                have.setdefault(storage, None)  # None: this torch cannot build it for this dtype
+            self.measure_s += time.perf_counter() - started
+            self._save()
+        return {s: {c: ms[: len(buckets)] for c, ms in have[s].items()} for s in wanted if have.get(s)}
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": self.key, "shapes": self.shapes}, indent=1))
+        tmp.replace(self.path)
+
+
+def l3_bytes() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text[:-1]) << {"K": 10, "M": 20}[text[-1]] if text[-1] in "KM" else int(text)
+    except (OSError, ValueError, KeyError):
+        return DEFAULT_L3
+
+
+def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int, ...],
+                  storages: list[str], progress: bool = False) -> dict:
+    """Time every call from every storage at every bucket for a weight [OUT, IN] of `dtype`.
+
+    -> storage -> call -> [ms | None]; None: a single-row call above one row, or a call dropped
+    after it measured > 3x the fastest call so far at a smaller bucket (no call was seen to come
+    back from that; emulated bf16 `x @ Wt` at 512 rows would take 0.7 s a sample). A storage
+    this torch cannot build for `dtype` is left out."""
+    from tqdm import tqdm
+
+    out_features, in_features = shape
+    nbytes = out_features * in_features * torch.empty(0, dtype=dtype).element_size()
+    copies = max(1, min(64, math.ceil(2 * l3_bytes() / nbytes)))
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.02)  # one tensor of the dtype, no fp32 temporary
+    best = [math.inf] * len(buckets)  # seconds, over every storage measured so far
+    result = {}
+    bar = tqdm(total=len(storages) * len(buckets), desc=f"calibrating {list(shape)} {dtype}".replace("torch.", ""),
+               disable=not progress, leave=False)
+    with torch.inference_mode():
+        for storage in (STORAGES[name] for name in storages):
+            try:
+                ring = [storage.pack(base.clone()) for _ in range(copies)]
+            except RuntimeError:  # e.g. oneDNN bf16 packing without AVX-512 / AVX-NE-CONVERT
+                bar.update(len(buckets))
+                continue
+            calls = {c.name: [None] * len(buckets) for c in CALLS.values() if c.storage == storage.name}
+            dropped: set[str] = set()
+            cursor = 0
+            for i, rows in enumerate(buckets):
+                x2 = torch.randn(rows, in_features, generator=gen).to(dtype)
+                for call in calls_for(storage.name, rows):
+                    if call.name in dropped:
+                        continue
+                    seconds, cursor = _time_call(call.fn, x2, ring, cursor, best[i])
+                    calls[call.name][i] = 1000 * seconds
+                    best[i] = min(best[i], seconds)
+                    if seconds > 3 * best[i]:
+                        dropped.add(call.name)
+                bar.update()
+            result[storage.name] = calls
+            del ring
+    bar.close()
+    return result
+
+
+def _time_call(fn, x2: torch.Tensor, ring: list[torch.Tensor], cursor: int, best: float) -> tuple[float, int]:
+    """-> (seconds: the fastest of a few calls after one warm-up, the ring cursor after them).
+
+    Each call takes the ring's next weight (none is cache-resident). The warm-up also builds
+    oneDNN's primitive for this row count. ~12 ms of samples, 1 to 5: a head call takes 3-60 ms.
+    The minimum, as other processes only ever add time (a preempted sample reads 10-20x)."""
+    started = time.perf_counter()
+    fn(x2, ring[cursor % len(ring)])
+    warm = time.perf_counter() - started
+    cursor += 1
+    if warm > 10 * best and warm > 0.02:  # hopeless and slow: not worth more samples
+        return warm, cursor
+    times = []
+    for _ in range(max(1, min(5, math.ceil(0.012 / warm)))):
+        started = time.perf_counter()
+        fn(x2, ring[cursor % len(ring)])
+        times.append(time.perf_counter() - started)
+        cursor += 1
+    return min(times), cursor

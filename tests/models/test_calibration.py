@@ -1,0 +1,103 @@
+"""The start-up calibration: dtype by CPU flags, a cache keyed by machine, one storage per weight."""
+
+import json
+
+import pytest
+import torch
+
+from specrl.models.calibration import (BUCKETS, HEAD_BUCKETS, Calibration, bucket_of, bucket_weights,
+                                       resolve_dtype)
+from specrl.models.linear import STORAGES
+
+SHAPE = (48, 32)
+
+
+@pytest.mark.parametrize("flags,want", [
+    ({"avx2", "fma"}, torch.float32),  # an AVX2 EPYC: bf16 is emulated
+    ({"avx2", "avx512f", "avx512bw"}, torch.float32),  # AVX-512 without its bf16 extension
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
+    ({"avx2", "amx_tile", "amx_bf16"}, torch.bfloat16),
+    (set(), torch.float32),
+])
+def test_auto_dtype_picks_bf16_only_with_native_bf16(flags, want):
+    dtype, reason = resolve_dtype("auto", frozenset(flags))
+    assert dtype == want and reason.startswith(f"dtype={str(want).removeprefix('torch.')} (auto")
+
+
+def test_requested_dtype_wins_over_flags():
+    assert resolve_dtype("bfloat16", frozenset({"avx2"}))[0] == torch.bfloat16
+    assert resolve_dtype("float32", frozenset({"avx512_bf16"}))[0] == torch.float32
+
+
+@pytest.mark.parametrize("bad", ["fp32", "bf16", "float16", "", "AUTO"])
+def test_bad_dtype_is_a_value_error_naming_the_choices(bad, tmp_path):
+    with pytest.raises(ValueError, match=r"dtype must be one of auto, float32, bfloat16; got"):
+        resolve_dtype(bad, frozenset())
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Calibration.open(tmp_path, bad)
+
+
+def test_bucket_weights_cover_the_engine_rows():
+    weights = bucket_weights(BUCKETS)
+    assert abs(sum(weights.values()) - 1) < 1e-9 and all(w > 0 for w in weights.values())
+    assert weights[512] == pytest.approx(0.01) and weights[1] == pytest.approx(0.05, rel=0.01)
+    assert abs(sum(bucket_weights(HEAD_BUCKETS, prefill_share=0).values()) - 1) < 1e-9
+    assert [bucket_of(r, BUCKETS) for r in (1, 7, 9, 17, 136, 137, 4096)] == [1, 8, 10, 24, 136, 512, 512]
+
+
+def test_measurements_are_cached_and_reused(tmp_path):
+    first = Calibration.open(tmp_path, "float32")
+    choice = first.choose(SHAPE)
+    assert first.measure_s > 0 and choice.storage in STORAGES and len(choice.calls) == len(BUCKETS)
+    saved = json.loads(first.path.read_text())
+    assert saved["key"]["threads"] == torch.get_num_threads() and saved["key"]["dtype"] == "float32"
+    again = Calibration.open(tmp_path, "float32")
+    assert again.choose(SHAPE).calls == choice.calls and again.measure_s == 0
+
+
+@pytest.mark.parametrize("field,value", [("cpu", "Some Other CPU"), ("flags", ["avx512_bf16"]), ("torch", "0.0.1"),
+                                         ("threads", 97), ("schema", -1)])
+def test_a_cache_from_another_machine_is_ignored_and_rebuilt(tmp_path, field, value):
+    Calibration.open(tmp_path, "float32").choose(SHAPE)
+    path = tmp_path / "linears-float32.json"
+    saved = json.loads(path.read_text())
+    saved["key"][field] = value
+    saved["shapes"]["48x32"]["plain"]["F.linear"] = [999.0] * len(BUCKETS)  # would win nothing if it were read
+    path.write_text(json.dumps(saved))
+    reopened = Calibration.open(tmp_path, "float32")
+    assert reopened.shapes == {}
+    reopened.choose(SHAPE)
+    assert reopened.measure_s > 0
+    rewritten = json.loads(path.read_text())
+    assert rewritten["key"] == reopened.key and rewritten["key"][field] != value
+    assert max(rewritten["shapes"]["48x32"]["plain"]["F.linear"]) < 999.0
+
+
+def test_an_unreadable_cache_is_rebuilt(tmp_path):
+    (tmp_path / "linears-float32.json").write_text("{not json")
+    assert Calibration.open(tmp_path, "float32").shapes == {}
+
+
+def test_one_storage_per_weight_and_tied_weights_keep_row_access(tmp_path):
+    plan = Calibration.open(tmp_path, "float32")
+    tied = plan.choose(SHAPE, head=True, tied=True)
+    assert STORAGES[tied.storage].rows is not None and "onednn" not in tied.slowdown
+    assert len(tied.calls) == len(HEAD_BUCKETS)
+    free = plan.choose(SHAPE)
+    assert set(free.slowdown) <= set(STORAGES) and min(free.slowdown.values()) >= 1.0
+    assert free.slowdown[free.storage] == min(free.slowdown.values())
+    weight = torch.randn(SHAPE)
+    packed = plan.pack(weight)
+    assert packed.storage == free.storage and packed.nbytes <= 1.1 * weight.nbytes
+
+
+def test_bf16_without_native_support_warns_with_the_measured_ratio(tmp_path):
+    plan = Calibration.open(tmp_path, "bfloat16", flags=frozenset({"avx2", "fma"}))
+    assert plan.dtype == torch.bfloat16 and "WARNING" not in plan.packed_note()
+    plan.pack(torch.randn(SHAPE))
+    ratio = plan.slowdown()
+    assert ratio is not None and ratio > 0
+    assert f"measured {ratio:.1f}x the float32 time" in plan.packed_note()
+    native = Calibration.open(tmp_path, "bfloat16", flags=frozenset({"avx512_bf16"}))
+    native.pack(torch.randn(SHAPE))
+    assert native.slowdown() is None and "WARNING" not in native.packed_note()

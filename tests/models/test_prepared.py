@@ -1,0 +1,221 @@
+"""The inference form (`load_llama(dir, plan)`, `prepare_inference`) computes what the plain form does.
+
+Tolerances: fp32, different matmul calls -> below 1e-4 on the tiny model's logits (magnitude ~10);
+bf16 (weights, activations and KV cache; fp32 accumulation) -> below 0.15 there, and against HF
+on SmolLM2 the argmax agrees on >= 90% of positions.
+"""
+
+import pytest
+import torch
+
+from specrl.models.calibration import HEAD_BUCKETS, BUCKETS, Calibration, Choice
+from specrl.models.drafter import EagleDrafter
+from specrl.models.linear import STORAGES, PackedLinear
+from specrl.models.llama import load_llama
+
+
+class ForcedPlan(Calibration):
+    """A calibration that packs every weight in one storage (tied heads: plain), to test each path."""
+
+    def __init__(self, storage: str, dtype: torch.dtype = torch.float32):
+        super().__init__(path=None, dtype=dtype, note="forced", key={})
+        self.storage = storage
+
+    def choose(self, shape, *, head=False, tied=False):
+        storage = "plain" if tied and STORAGES[self.storage].rows is None else self.storage
+        buckets = HEAD_BUCKETS if head else BUCKETS
+        calls = {"plain": ("mv",) + ("W@x.T",) * 7 + ("F.linear",) * (len(buckets) - 8),
+                 "transposed": ("mv Wt",) + ("x@Wt",) * (len(buckets) - 1),
+                 "onednn": ("onednn",) * len(buckets)}[storage]
+        return Choice(storage, buckets, calls, {storage: 1.0}, {storage: 0.0})
+
+
+def _forwards(model, steps):
+    """Prefill 2 rows (non-consecutive slots), verify T=4 at different starts, decode T=1 at one
+    start (consecutive slots, one length: the unmasked slice path) and at different ones."""
+    gen = torch.Generator().manual_seed(0)
+    cache = model.new_cache(num_slots=4, max_len=48)
+    out = []
+    with torch.inference_mode():
+        for slots, start, t in steps:
+            tokens = torch.randint(0, model.cfg.vocab_size, (len(slots), t), generator=gen)
+            out.append(model.logits(model(tokens, torch.tensor(slots), torch.tensor(start), cache)))
+    return out
+
+
+STEPS = [([3, 1], [0, 0], 9), ([3, 1], [9, 9], 4), ([1, 3], [13, 13], 1), ([0, 1], [0, 0], 6),
+         ([0, 1], [6, 6], 1), ([0, 1], [7, 7], 3), ([1, 2], [10, 0], 1), ([2, 3], [1, 14], 2)]
+
+
+@pytest.mark.parametrize("storage", sorted(STORAGES))
+def test_prepared_forward_equals_plain_forward_fp32(tiny_dir, storage):
+    plain = load_llama(tiny_dir)
+    prepared = load_llama(tiny_dir, plan=ForcedPlan(storage))
+    assert prepared.layers[0].qkv.storage == storage and isinstance(prepared.lm_head, PackedLinear)
+    for got, want in zip(_forwards(prepared, STEPS), _forwards(plain, STEPS)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_prepared_forward_bf16_is_close(tiny_dir):
+    plain = load_llama(tiny_dir)
+    prepared = load_llama(tiny_dir, plan=ForcedPlan("plain", torch.bfloat16))
+    assert prepared.dtype == torch.bfloat16 and prepared.new_cache(1, 4).k.dtype == torch.bfloat16
+    for got, want in zip(_forwards(prepared, STEPS), _forwards(plain, STEPS)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=0.15, rtol=0)
+
+
+def test_calibrated_model_equals_plain(tiny_dir, tmp_path):
+    plan = Calibration.open(tmp_path, "float32")
+    prepared = load_llama(tiny_dir, plan=plan)
+    for got, want in zip(_forwards(prepared, STEPS), _forwards(load_llama(tiny_dir), STEPS)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (tmp_path / "linears-float32.json").is_file()
+
+
+def _held_bytes(model) -> int:
+    """Bytes of every distinct tensor the model holds: parameters and packed weights."""
+    seen, total = set(), 0
+    for value in [*model.parameters(), *(v for m in model.modules() for v in vars(m).values())]:
+        if isinstance(value, (torch.Tensor, PackedLinear)) and id(value) not in seen:
+            seen.add(id(value))
+            total += value.nbytes
+    return total
+
+
+@pytest.mark.parametrize("storage", sorted(STORAGES))
+def test_prepared_model_holds_one_copy_of_each_weight(tiny_dir, storage):
+    plain = load_llama(tiny_dir)
+    prepared = load_llama(tiny_dir, plan=ForcedPlan(storage))
+    assert not [n for n, p in prepared.named_parameters() if p.dim() == 2]  # every matrix is packed, none kept
+    assert prepared.embed is prepared.lm_head  # tied: the head's one copy serves the lookup too
+    assert _held_bytes(plain) <= _held_bytes(prepared) <= 1.05 * _held_bytes(plain)
+    assert prepared.streamed_weight_bytes() >= plain.streamed_weight_bytes()
+
+
+@pytest.mark.parametrize("storage", sorted(STORAGES))
+def test_hf_state_of_a_prepared_model_is_plain(tiny_dir, storage):
+    plain, prepared = load_llama(tiny_dir), load_llama(tiny_dir, plan=ForcedPlan(storage))
+    want, got = plain.hf_state(), prepared.hf_state()
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert got[name].is_contiguous() and torch.equal(got[name], value), name
+
+
+def test_prepared_model_refuses_loads_and_a_second_prepare(tiny_dir):
+    prepared = load_llama(tiny_dir, plan=ForcedPlan("plain"))
+    with pytest.raises(ValueError, match="build a fresh one"):
+        prepared.load_hf_state(load_llama(tiny_dir).hf_state())
+    with pytest.raises(ValueError, match="already prepared"):
+        prepared.prepare_inference(ForcedPlan("plain"))
+
+
+@pytest.mark.parametrize("draft_vocab_size", [0, 64])
+def test_prepared_drafter_equals_plain_drafter(tiny_dir, draft_vocab_size):
+    plain_target = load_llama(tiny_dir)
+    drafter = EagleDrafter.day0(plain_target, seed=2, draft_vocab_size=draft_vocab_size)
+    target = load_llama(tiny_dir, plan=ForcedPlan("onednn"))
+    from_prepared = EagleDrafter.day0(target, seed=2, draft_vocab_size=draft_vocab_size)  # the engine's order
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(from_prepared.state_dict()[name], value), name
+    prepared = from_prepared.prepare_inference(ForcedPlan("transposed"))
+    feats, toks = torch.randn(2, 5, plain_target.cfg.hidden_size), torch.randint(0, 500, (2, 5))
+    with torch.inference_mode():
+        want = drafter.logits(drafter(feats, toks, torch.tensor([0, 2]), torch.tensor([0, 3]), drafter.new_cache(3, 16)))
+        got = prepared.logits(prepared(feats, toks, torch.tensor([0, 2]), torch.tensor([0, 3]), prepared.new_cache(3, 16)))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_drafter_refuses_a_plan_of_another_dtype(tiny_dir):
+    from specrl.errors import IncompatibleDrafterError
+
+    target = load_llama(tiny_dir, plan=ForcedPlan("plain"))
+    with pytest.raises(IncompatibleDrafterError, match="its target runs in"):
+        EagleDrafter.day0(target).prepare_inference(ForcedPlan("plain", torch.bfloat16))
+
+
+# ---- SmolLM2 against transformers, per dtype ----------------------------------------------
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Explain photosynthesis in simple terms.",
+           "1, 2, 3, 5, 8, 13,"]
+
+
+def _hf_parity(model_dir, plan):
+    """-> (max |logit diff|, argmax agreements, positions) of the prepared model (prefill, a
+    2-token verify, a decode step) against HF's fp32 forward over each whole prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_llama(model_dir, plan=plan)
+    worst, agree, total = 0.0, 0, 0
+    cache = model.new_cache(4, 64)
+    with torch.inference_mode():
+        for i, prompt in enumerate(PROMPTS):
+            ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+            n, slot = ids.shape[1], torch.tensor([3 - i])
+            pieces = [model.logits(model(ids[:, a:b], slot, torch.tensor([a]), cache))
+                      for a, b in ((0, n - 3), (n - 3, n - 1), (n - 1, n))]
+            got, want = torch.cat(pieces, 1)[0], ref(ids).logits[0]
+            worst = max(worst, float((got - want).abs().max()))
+            agree, total = agree + int((got.argmax(-1) == want.argmax(-1)).sum()), total + n
+    return worst, agree, total
+
+
+@pytest.fixture(scope="module")
+def calibration_dir(tmp_path_factory):
+    """One calibration directory for the SmolLM2 tests: bf16's float32 reference reuses fp32's."""
+    return tmp_path_factory.mktemp("calibration")
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_matches_transformers(smollm_dir, calibration_dir):
+    worst, agree, total = _hf_parity(smollm_dir, Calibration.open(calibration_dir, "float32"))
+    assert worst < 1e-3 and agree == total
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_argmax_mostly_agrees_with_transformers(smollm_dir, calibration_dir):
+    """bf16 runs on any CPU (emulated without avx512_bf16/amx_bf16: ~3-5x slower, with a warning)."""
+    plan = Calibration.open(calibration_dir, "bfloat16")
+    worst, agree, total = _hf_parity(smollm_dir, plan)
+    assert agree >= 0.9 * total and worst < 4.0
+    assert ("WARNING" in plan.packed_note()) == (plan.slowdown() is not None)
+
+
+def _mapped_files() -> set[str]:
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if line.count("/") and line.split()[-1].startswith("/")}
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_loading_reads_the_checkpoint_without_mapping_it(tiny_dir):
+    """Weights are read into the parameters with file reads: a memory map of the checkpoint would
+    count in RSS until closed (SmolLM2 through safe_open peaked at model + the whole 538 MB file)."""
+    before = _mapped_files()
+    from specrl.models.llama import TensorSource
+
+    source = TensorSource.from_dir(tiny_dir)
+    model = load_llama(tiny_dir, plan=ForcedPlan("plain", torch.bfloat16))  # bf16: through one fp32 temporary
+    new = {path for path in _mapped_files() - before if path.endswith(".safetensors")}
+    assert not new
+    assert model.dtype == torch.bfloat16 and source.get("model.norm.weight").dtype == torch.float32
+
+
+def test_plain_model_still_backpropagates(tiny_dir):
+    """The trainers' form: plain parameters, causal forward without a cache, gradients everywhere."""
+    model = load_llama(tiny_dir)
+    model.requires_grad_(True)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    loss = torch.nn.functional.cross_entropy(model.logits(model(tokens))[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values()), \
+        [n for n, g in grads.items() if g is None or not g.abs().sum() > 0]
+
+
+def test_positions_past_the_cache_are_refused(tiny_dir):
+    model = load_llama(tiny_dir)
+    cache = model.new_cache(num_slots=3, max_len=8)
+    with torch.inference_mode(), pytest.raises(ValueError, match="do not fit a KV cache of 8 positions"):
+        model(torch.zeros(2, 2, dtype=torch.long), torch.tensor([2, 0]), torch.tensor([3, 7]), cache)

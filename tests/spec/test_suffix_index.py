@@ -1,0 +1,265 @@
+"""The suffix drafter index (specrl/spec/suffix_index.py): exact proposals on hand-made cases, the
+C core against its plain-Python twin on random and repetitive inputs, eviction, dedupe, bounds.
+
+Every hand-made case runs on both cores (`core` fixture); the C core's tests skip when the
+extension is not built (`pip install -e .` builds it)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specrl.spec.suffix_index import NATIVE_AVAILABLE, SuffixIndex, orders_for
+
+CORES = [pytest.param(True, id="c", marks=pytest.mark.skipif(not NATIVE_AVAILABLE, reason="extension not built")),
+         pytest.param(False, id="python")]
+
+
+@pytest.fixture(params=CORES)
+def native(request):
+    return request.param
+
+
+def index(native, capacity=10_000, **kwargs) -> SuffixIndex:
+    return SuffixIndex(capacity, native=native, **kwargs)
+
+
+def test_orders():
+    assert orders_for(2, 32) == (2, 32)
+    assert orders_for(4, 4) == (4,)
+
+
+# ---- matching and voting -------------------------------------------------------------------------
+
+def test_most_frequent_continuation_and_confidence(native):
+    ix = index(native)
+    for key, doc in enumerate([[1, 2, 3, 7], [5, 2, 3, 7], [6, 2, 3, 8], [9, 2, 3, 7, 4]]):
+        ix.add(key, doc)
+    tokens, conf = ix.propose(ix.new_request([0, 2, 3]), 8, 0.1)
+    assert tokens == [7, 4]
+    assert conf == [pytest.approx(3 / 4), 1.0]  # 7 from 3 of 4 occurrences; then only one has a next token
+
+
+def test_longest_match_wins(native):
+    ix = index(native)
+    ix.add("long", [1, 2, 3, 4, 50])  # the suffix 2 3 4 matches 3 tokens here
+    for key in range(5):
+        ix.add(key, [9, 3, 4, 60])  # ... and only 2 tokens here, five times
+    assert ix.propose(ix.new_request([2, 3, 4]), 4, 0.1) == ([50], [1.0])
+    assert ix.propose(ix.new_request([7, 3, 4]), 4, 0.1) == ([60], [pytest.approx(5 / 6)])  # all six at 2
+
+
+def test_longest_match_is_found_beyond_the_occurrence_cap_of_shorter_grams(native):
+    """A hot 2-gram fills the cap, but the max_match chain still finds the old, longer match."""
+    ix = index(native, max_match=4, max_occurrences=4)
+    ix.add("old", [10, 11, 12, 13, 77])
+    for key in range(20):
+        ix.add(key, [key + 100, 12, 13, 88])
+    assert ix.propose(ix.new_request([10, 11, 12, 13]), 2, 0.1) == ([77], [1.0])
+
+
+@pytest.mark.parametrize("dead_ends, found", [(3, True), (4, False)])
+def test_chain_walk_gives_up_after_four_steps_per_occurrence(native, dead_ends, found):
+    """Occurrences with no next token (a document's end) cost chain steps: the walk stops after
+    4 x max_occurrences steps, so a hot n-gram bounds the work even when it never verifies."""
+    ix = index(native, max_occurrences=1)
+    ix.add("old", [2, 3, 9])
+    for key in range(dead_ends):
+        ix.add(key, [key + 10, 2, 3])
+    assert ix.propose(ix.new_request([1, 2, 3]), 1, 0.1) == (([9], [1.0]) if found else ([], []))
+
+
+def test_stops_when_confidence_product_falls_below_threshold(native):
+    ix = index(native)
+    ix.add(0, [1, 2, 3, 4, 5])
+    ix.add(1, [1, 2, 3, 6, 7])
+    ctx = ix.new_request([1, 2, 3])
+    assert ix.propose(ctx, 8, 0.5) == ([6, 7], [0.5, 1.0])  # tie -> the most recent document
+    assert ix.propose(ctx, 8, 0.51) == ([], [])
+    assert ix.propose(ctx, 1, 0.1) == ([6], [0.5])  # max_tokens
+    assert ix.propose(ctx, 0, 0.1) == ([], [])
+
+
+def test_own_context_matches_and_runs_on_into_its_draft(native):
+    ix = index(native, capacity=0)  # the global index off: own context only
+    ctx = ix.new_request([5, 6, 7, 5, 6])
+    assert ix.propose(ctx, 5, 0.1) == ([7, 5, 6, 7, 5], [1.0] * 5)  # a loop keeps drafting
+
+
+def test_never_the_self_match(native):
+    ix = index(native, capacity=0)
+    assert ix.propose(ix.new_request([1, 2, 3]), 4, 0.1) == ([], [])
+    ctx = ix.new_request([1, 2])
+    ctx.extend([1, 2])  # 1 2 occurred once before the suffix: proposes what followed it
+    assert ix.propose(ctx, 1, 0.1) == ([1], [1.0])
+
+
+@pytest.mark.parametrize("doc, context, bonus, expected", [
+    ([7, 6, 1, 2, 40], [9, 1, 2, 30, 7, 6, 1, 2], 0, ([40], [1.0])),  # own "1 2" (2) < global "7 6 1 2" (4)
+    ([7, 6, 1, 2, 40], [9, 1, 2, 30, 7, 6, 1, 2], 2, ([30], [0.5])),  # 2 + 2 = 4: a tie, one vote each, own first
+    ([5, 7, 6, 1, 2, 40], [9, 1, 2, 30, 5, 7, 6, 1, 2], 2, ([40], [1.0])),  # global "5 7 6 1 2" (5) > 2 + 2
+    ([7, 6, 1, 2, 40], [6, 1, 2, 30, 7, 6, 1, 2], 2, ([30], [1.0])),  # own "6 1 2" (3) + 2 > 4
+])
+def test_own_context_match_counts_own_bonus_tokens_longer(native, doc, context, bonus, expected):
+    ix = index(native, own_bonus=bonus)
+    ix.add(0, doc)
+    assert ix.propose(ix.new_request(context), 1, 0.1) == expected
+
+
+def test_documents_do_not_run_into_each_other(native):
+    ix = index(native)
+    ix.add(0, [1, 2])
+    ix.add(1, [3, 4])
+    assert ix.propose(ix.new_request([1, 2]), 4, 0.1) == ([], [])  # 1 2 ends its document
+    assert ix.propose(ix.new_request([2, 3]), 4, 0.1) == ([], [])  # "2 3" spans two documents
+
+
+def test_max_match_caps_the_extension(native):
+    ix = index(native, min_match=2, max_match=4)
+    ix.add(0, [1, 2, 3, 4, 5, 6, 70])  # matches 5 tokens of the context, counted as 4
+    for key in range(3):
+        ix.add(key + 1, [9, 3, 4, 5, 6, 80])  # 4 tokens
+    assert ix.propose(ix.new_request([1, 2, 3, 4, 5, 6]), 1, 0.1) == ([80], [0.75])
+
+
+# ---- the index: eviction, dedupe, zero capacity, bounds ------------------------------------------
+
+def test_eviction_oldest_first_and_evicted_never_proposed(native):
+    ix = index(native, capacity=12)  # each 5-token document takes 6 slots: two fit
+    ix.add("a", [1, 2, 3, 4, 5])
+    ix.add("b", [11, 12, 13, 14, 15])
+    assert (ix.documents, ix.tokens, ix.evicted) == (2, 10, 0)
+    ix.add("c", [21, 22, 23, 24, 25])
+    assert (ix.documents, ix.tokens, ix.evicted) == (2, 10, 1)
+    assert ix.propose(ix.new_request([1, 2]), 3, 0.1) == ([], [])
+    assert ix.propose(ix.new_request([11, 12]), 3, 0.1) == ([13, 14, 15], [1.0] * 3)
+    assert ix.propose(ix.new_request([21, 22]), 3, 0.1) == ([23, 24, 25], [1.0] * 3)
+
+
+def test_overwritten_slots_are_not_read_as_old_documents(native):
+    """After many wraps of a small ring, only the kept documents are ever proposed."""
+    rng = random.Random(3)
+    ix = index(native, capacity=50)
+    docs, drafted = [], 0
+    for key in range(200):
+        doc = [rng.randrange(6) for _ in range(rng.randrange(1, 20))]
+        docs.append(doc)
+        ix.add(key, doc)
+        assert ix.tokens + ix.documents <= 50
+        kept = docs[len(docs) - ix.documents:]
+        assert ix.tokens == sum(len(d) for d in kept)
+        ctx = ix.new_request([rng.randrange(6) for _ in range(2)])  # too short to match itself
+        draft, _ = ix.propose(ctx, 4, 0.0)
+        if draft:
+            drafted += 1
+            assert any(_contains(d, ctx.tolist() + draft) for d in kept)
+    assert drafted > 50
+
+
+def _contains(doc: list[int], part: list[int]) -> bool:
+    return any(doc[i:i + len(part)] == part for i in range(len(doc) - len(part) + 1))
+
+
+def test_long_document_keeps_its_tail_within_capacity(native):
+    ix = index(native, capacity=1000)
+    ix.add("small", [1, 2, 3])
+    ix.add("huge", list(range(100_000)))
+    assert (ix.documents, ix.tokens, ix.evicted) == (1, 999, 1)
+    assert ix.propose(ix.new_request([99_001, 99_002]), 3, 0.1) == ([99_003, 99_004, 99_005], [1.0] * 3)
+    assert ix.propose(ix.new_request([5, 6]), 3, 0.1) == ([], [])
+
+
+def test_dedupe_by_key(native):
+    ix = index(native, dedupe_keys=2)
+    assert ix.add("r1", [1, 2, 3])
+    assert not ix.add("r1", [1, 2, 4])
+    assert (ix.documents, ix.duplicates) == (1, 1)
+    assert ix.propose(ix.new_request([1, 2]), 2, 0.1) == ([3], [1.0])
+    ix.add("r2", [7])
+    ix.add("r3", [8])  # the window holds 2 keys: r1 is forgotten
+    assert ix.add("r1", [1, 2, 3])
+    assert ix.documents == 4
+
+
+def test_zero_capacity_is_off(native):
+    ix = index(native, capacity=0)
+    ix.add("a", [1, 2, 3, 4])
+    assert (ix.documents, ix.tokens, ix.evicted) == (0, 0, 0)
+    assert ix.propose(ix.new_request([1, 2]), 4, 0.1) == ([], [])
+
+
+def test_adversarial_repetition_stays_bounded(native):
+    prompt = [random.Random(0).randrange(50) for _ in range(300)]
+    ix = index(native, capacity=30_000, max_occurrences=8)
+    for key in range(10_000 if native else 300):
+        ix.add(key, prompt)
+    assert ix.tokens + ix.documents <= 30_000
+    assert ix.documents == 30_000 // 301
+    ctx = ix.new_request(prompt[:100])
+    assert ix.propose(ctx, 16, 0.1) == (prompt[100:116], [1.0] * 16)
+
+
+def test_rejects_bad_tokens_and_foreign_contexts(native):
+    ix = index(native)
+    with pytest.raises(ValueError):
+        ix.add("neg", [1, -1, 2])
+    with pytest.raises(ValueError):
+        ix.new_request([2**31])
+    assert ix.documents == 0
+    assert ix.add("neg", [1, 2])  # a failed add did not record its key
+    other = index(native)
+    with pytest.raises(ValueError):
+        ix.propose(other.new_request([1, 2]), 4, 0.1)
+    for bad in ({"capacity": -1}, {"min_match": 1}, {"min_match": 5, "max_match": 4}, {"max_occurrences": 0},
+                {"own_bonus": -1}):
+        with pytest.raises(ValueError):
+            index(native, **bad)
+
+
+# ---- the C core == the Python twin ---------------------------------------------------------------
+
+def _workload(seed: int, vocab: int, repeat: float):
+    """Documents and (prefix, extensions) contexts: random, or copies of a few sources."""
+    rng = random.Random(seed)
+    sources = [[rng.randrange(vocab) for _ in range(rng.randrange(5, 80))] for _ in range(4)]
+
+    def text(n: int) -> list[int]:
+        if rng.random() < repeat:
+            src = rng.choice(sources)
+            start = rng.randrange(len(src))
+            return (src[start:] + src)[:n]
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    return rng, text
+
+
+@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="extension not built")
+@pytest.mark.parametrize("seed, vocab, repeat, capacity, max_occ", [
+    (0, 4, 0.0, 400, 8), (1, 30, 0.7, 300, 4), (2, 200, 0.9, 2000, 64), (3, 3, 0.5, 64, 2), (4, 12, 0.8, 0, 16),
+    (5, 500, 0.6, 64, 2),  # 64 buckets for ~60 kept positions of a large vocabulary: hash collisions
+])
+def test_extension_equals_twin(seed, vocab, repeat, capacity, max_occ):
+    rng, text = _workload(seed, vocab, repeat)
+    kwargs = dict(min_match=2, max_match=rng.choice([2, 5, 16, 32]), max_occurrences=max_occ,
+                  own_bonus=rng.choice([0, 2, 5]))
+    c, py = SuffixIndex(capacity, native=True, **kwargs), SuffixIndex(capacity, native=False, **kwargs)
+    compared = drafted = 0
+    for round_ in range(60):
+        doc = text(rng.randrange(0, 120))
+        c.add(round_, doc)
+        py.add(round_, doc)
+        assert (c.documents, c.tokens, c.evicted) == (py.documents, py.tokens, py.evicted)
+        prefix = text(rng.randrange(0, 40))
+        ctx_c, ctx_py = c.new_request(prefix), py.new_request(prefix)
+        for _ in range(6):
+            more = text(rng.randrange(1, 30))
+            ctx_c.extend(more)
+            ctx_py.extend(more)
+            k, threshold = rng.choice([1, 4, 16]), rng.choice([0.0, 0.1, 0.5])
+            got = c.propose(ctx_c, k, threshold)
+            assert got == py.propose(ctx_py, k, threshold)
+            compared += 1
+            drafted += len(got[0])
+    assert ctx_c.tolist() == ctx_py.tolist()
+    assert drafted > compared // 4  # the workload drafts, so equality means something

@@ -1,4 +1,6 @@
-"""Load tests against a live `specrl serve`: locust users, a weight-swap driver, and the report that reads their logs.
+"""Load tests against a live `specrl serve`, HTTP only (installed as `specrl.loadtest`): locust users,
+a weight-swap driver, and the report that reads their logs.
 
-Run from a source checkout (not installed): `locust -f loadtest/locustfile.py`, `python loadtest/swap_driver.py`.
+    locust -f loadtest/locustfile.py ...             (in its own process: locust patches the network)
+    python -m specrl.loadtest.swap_driver --url ... --token ...
 """

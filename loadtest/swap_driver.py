@@ -1,12 +1,14 @@
-"""Hot-swap weights on a live `specrl serve` at a fixed rate, and log every swap.
+"""Hot-swap weights on a live `specrl serve` at a fixed rate, and log every swap. HTTP only: the
+versions to swap between must already be in the server's weights store (the bench or test that
+runs this publishes them: `specrl.apps.bench.swap_versions.prepare_versions`).
 
-    python loadtest/swap_driver.py --url http://127.0.0.1:8000 --token $SPECRL_ADMIN_TOKEN \
-        --store <the server's --store> --model-dir <the served model's directory> --duration 20 --log swaps.jsonl
+    python -m specrl.loadtest.swap_driver --url http://127.0.0.1:8000 --token $SPECRL_ADMIN_TOKEN \
+        --duration 20 --log swaps.jsonl
 
-`prepare_versions` publishes (or reuses) two drafters and two policies in the weights store;
-`run_swaps` then calls POST /admin/weights every `interval_s` seconds, cycling through the
-roles (drafter, policy, drafter, ...) and, for policy swaps, through the modes (drain,
-interrupt, ...), always to a version of the role that is not the one serving.
+`run_swaps` calls POST /admin/weights every `interval_s` seconds, cycling through the roles
+(drafter, policy, drafter, ...) and, for policy swaps, through the modes (drain, interrupt, ...),
+always to a version of the role that is not the one serving. Without explicit versions the
+driver cycles through every version the store holds (GET /admin/weights).
 
 The log (JSON lines, flushed per line) starts with {"event": "start", "time", "serving"}
 (the versions serving before the first swap, from /health) and has one line per swap:
@@ -18,72 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-DRAFTERS = ("drafter-s1", "drafter-s2")  # EagleDrafter.day0 with seeds 1 and 2
-POLICIES = ("policy-perturbed", "policy-base")  # the first swap changes the weights
 SWAP_TIMEOUT_S = 120.0
 
 
-def prepare_versions(store_root: Path | str, model_dir: Path | str, *, noise: float = 0.05) -> dict[str, list[str]]:
-    """Publish two day-0 drafters and two policies (the model's files, and a copy with every
-    tensor perturbed by `noise` x its standard deviation); versions already in the store are
-    reused. -> {"drafter": [...], "policy": [...]} (version names)."""
-    from specrl.models.drafter import EagleDrafter
-    from specrl.models.llama import load_llama
-    from specrl.weights import WeightsStore
-
-    store, model_dir = WeightsStore(store_root), Path(model_dir)
-    have = {role: {m.version for m in store.versions(role)} for role in ("drafter", "policy")}
-    with tempfile.TemporaryDirectory(prefix="specrl-swaps-") as tmp:
-        missing = [(seed, name) for seed, name in enumerate(DRAFTERS, start=1) if name not in have["drafter"]]
-        if missing:
-            target = load_llama(model_dir)
-            for seed, name in missing:
-                EagleDrafter.day0(target, seed=seed).save(Path(tmp) / name)
-                _publish(store, "drafter", Path(tmp) / name, name)
-            del target
-        base, perturbed = POLICIES[1], POLICIES[0]
-        if base not in have["policy"]:
-            _publish(store, "policy", model_dir, base)
-        if perturbed not in have["policy"]:
-            _perturbed_copy(model_dir, Path(tmp) / perturbed, noise)
-            _publish(store, "policy", Path(tmp) / perturbed, perturbed, parent=base)
-    return {"drafter": list(DRAFTERS), "policy": list(POLICIES)}
-
-
-def _publish(store, role: str, source: Path, version: str, parent: str | None = None) -> None:
-    from specrl.weights.store import WeightsConflictError
-
-    try:
-        store.publish(role, source, version=version, parent=parent)
-    except WeightsConflictError:
-        pass  # a concurrent preparer published it first: reuse
-
-
-def _perturbed_copy(model_dir: Path, out: Path, noise: float) -> None:
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(3)
-    for f in model_dir.iterdir():
-        if f.suffix == ".safetensors":
-            tensors = load_file(str(f))
-            for name, v in tensors.items():
-                if v.is_floating_point() and v.numel() > 1:
-                    scale = noise * v.float().std().item()
-                    tensors[name] = (v.float() + scale * torch.randn(v.shape, generator=gen)).to(v.dtype)
-            save_file(tensors, str(out / f.name), metadata={"format": "pt"})
-        elif f.is_file() and f.name != "manifest.json":
-            shutil.copy(f, out / f.name)
+def stored_versions(url: str, token: str) -> dict[str, list[str]]:
+    """-> {"drafter": [...], "policy": [...]}: every version the server's store holds, oldest first."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+        resp = client.get("/admin/weights")
+        resp.raise_for_status()
+        return {role: [m["version"] for m in manifests] for role, manifests in resp.json()["stored"].items()}
 
 
 def run_swaps(url: str, token: str, versions: dict[str, list[str]], *, roles=("drafter", "policy"),
@@ -154,15 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True)
     parser.add_argument("--token", required=True, help="the server's SPECRL_ADMIN_TOKEN")
-    parser.add_argument("--store", required=True, help="the server's weights store root")
-    parser.add_argument("--model-dir", required=True, help="the served model's directory (for the prepared versions)")
+    parser.add_argument("--drafters", default=None, help="comma-separated drafter versions (default: all stored)")
+    parser.add_argument("--policies", default=None, help="comma-separated policy versions (default: all stored)")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--roles", default="drafter,policy")
     parser.add_argument("--modes", default="drain,interrupt")
     parser.add_argument("--log", default="swaps.jsonl")
     args = parser.parse_args(argv)
-    versions = prepare_versions(args.store, args.model_dir)
+    versions = stored_versions(args.url, args.token)
+    for role, given in (("drafter", args.drafters), ("policy", args.policies)):
+        if given:
+            versions[role] = given.split(",")
     entries = run_swaps(args.url, args.token, versions, roles=tuple(args.roles.split(",")),
                         modes=tuple(args.modes.split(",")), interval_s=args.interval, duration_s=args.duration,
                         log_path=args.log)

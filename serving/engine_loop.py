@@ -1,7 +1,4 @@
-"""Runs the engine on its own thread and bridges it to asyncio.
-
-This is the interface the HTTP app talks to (the vLLM backend's `VllmLoop` has the same):
-`submit`, `outputs`, `abort`, `alive`, `stop`, `swap`, the serving versions, `stats`.
+"""Runs the native engine on its own thread and bridges it to asyncio (a `ServingLoop`).
 
 The HTTP handlers live on the event loop; `Engine.step()` runs here, one step after another,
 never on the event loop. Each request gets an asyncio.Queue; after every step the engine
@@ -16,11 +13,15 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+from specrl.engine.engine import Engine
+from specrl.engine.outputs import StepOutput
+from specrl.engine.sequence import Sequence
+from specrl.engine.swap import SwapResult, load_swap
 from specrl.errors import EngineUnavailableError
-from specrl.serving.engine import Engine, StepOutput
-from specrl.serving.sequence import Sequence
-from specrl.serving.swap import SwapResult, load_swap
 from specrl.spec.sampling import SamplingParams
+from specrl.telemetry.fleet import FleetFeed
+from specrl.telemetry.redis_sink import RedisSink
+from specrl.telemetry.sink import MemorySink
 
 log = logging.getLogger("specrl.engine")
 
@@ -46,14 +47,17 @@ async def read_outputs(queue: asyncio.Queue, abort: Callable[[], None], forget: 
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, telemetry: MemorySink | RedisSink | None = None,
+                 fleet: FleetFeed | None = None):
+        """fleet: the feed of other replicas' requests into the engine's suffix index (started by
+        `start`, stopped by `stop`)."""
+        self.engine, self.telemetry, self.fleet = engine, telemetry, fleet
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specrl-engine", daemon=True)
         self.error: BaseException | None = None
-        self.last_step_at = time.monotonic()
+        self.on_death: Callable[[], None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -61,6 +65,8 @@ class EngineLoop:
 
     def start(self) -> None:
         self._thread.start()
+        if self.fleet is not None:
+            self.fleet.start()
 
     async def ready(self) -> None:
         """Nothing to wait for: the engine was built before the loop started."""
@@ -77,6 +83,12 @@ class EngineLoop:
     @property
     def drafter_version(self) -> str:
         return self.engine.drafter_version
+
+    @property
+    def info(self) -> dict[str, str]:
+        plan = self.engine.plan
+        return {"backend": "native", "dtype": str(plan.dtype).removeprefix("torch.") if plan else "float32",
+                "dtype_reason": plan.note if plan else "plain float32 models"}
 
     @property
     def has_drafter(self) -> bool:
@@ -96,9 +108,9 @@ class EngineLoop:
 
     async def swap(self, role: str, version: str, mode: str, directory) -> SwapResult:
         """Load and check off the decode path, apply at the next step boundary."""
-        request = await asyncio.to_thread(load_swap, role, version, mode, directory, self.engine.target)
+        request = await asyncio.to_thread(load_swap, role, version, mode, directory, self.engine.target, self.engine.plan)
         self.engine.request_swap(request)
-        self.wake()
+        self._wake.set()
         return await asyncio.wrap_future(request.done)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
@@ -126,9 +138,6 @@ class EngineLoop:
         self.engine.abort(request_id)
         self._wake.set()
 
-    def wake(self) -> None:
-        self._wake.set()
-
     def stop(self, timeout: float) -> None:
         """Stop admitting, let running requests finish within `timeout`, abort the rest, stop."""
         self.engine.scheduler.admitting = False
@@ -143,6 +152,10 @@ class EngineLoop:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        if self.fleet is not None:
+            self.fleet.stop()
+        if self.telemetry is not None:
+            self.telemetry.close(5.0)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -157,8 +170,9 @@ class EngineLoop:
                 self.error = exc
                 for loop, queue in list(self._queues.values()):
                     loop.call_soon_threadsafe(queue.put_nowait, EngineUnavailableError(f"the engine failed: {exc!r}"))
+                if self.on_death is not None:
+                    self.on_death()
                 return
-            self.last_step_at = time.monotonic()
             for out in outputs:
                 target = self._queues.get(out.request_id)
                 if target is not None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from specrl.serving.engine import StepOutput
-from specrl.serving.engine_loop import EngineLoop
+from specrl.engine.outputs import StepOutput
+from specrl.serving.loop import ServingLoop
+from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
 
 
@@ -22,7 +23,7 @@ class ChoiceStream:
         self.seq = None
         self.target_version = self.drafter_version = ""
 
-    def submit(self, loop: EngineLoop, request_id: str) -> None:
+    def submit(self, loop: ServingLoop, request_id: str) -> None:
         self.request_id = request_id
         self.target_version, self.drafter_version = loop.target_version, loop.drafter_version
         self.seq = loop.submit(self.prompt_ids, self.params, request_id)
@@ -70,29 +71,17 @@ class ChoiceStream:
             choice.update(prompt_token_ids=self.prompt_ids, token_ids=self.token_ids)
         return choice
 
-    # spec-decode stats of this choice, from the engine's sequence
+    # spec-decode counters and version runs of this choice, from the engine's request
     @property
-    def steps(self) -> int:
-        return self.seq.steps
-
-    @property
-    def drafts(self) -> int:
-        return self.seq.drafts
-
-    @property
-    def draft_tokens(self) -> int:
-        return self.seq.drafted
-
-    @property
-    def accepted(self) -> int:
-        return self.seq.accepted
+    def spec(self) -> SpecCounts:
+        return self.seq.spec
 
     @property
     def version_runs(self) -> list[list]:
         return self.seq.version_runs
 
 
-async def run_choices(loop: EngineLoop, streams: list[ChoiceStream], metrics, arrival: float,
+async def run_choices(loop: ServingLoop, streams: list[ChoiceStream], metrics, arrival: float,
                       events: asyncio.Queue | None = None) -> None:
     """Consume every choice's outputs concurrently; observe TTFT/ITL; push (choice, delta,
     logprobs, finish) events when streaming. A failure pushes (None, error, None, None)."""

@@ -12,11 +12,12 @@ import sys
 import uvicorn
 
 from specrl.config import Settings
-from specrl.serving.app import create_app
-from specrl.serving.engine import Engine
-from specrl.serving.engine_loop import EngineLoop
+from specrl.engine.engine import Engine
 from specrl.errors import SpecrlError
+from specrl.serving.app import create_app
+from specrl.serving.engine_loop import EngineLoop
 from specrl.telemetry import MemorySink, RedisSink, events_stream
+from specrl.telemetry.fleet import FleetFeed
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.serving")
@@ -24,47 +25,21 @@ log = logging.getLogger("specrl.serving")
 
 def build(settings: Settings):
     """-> (engine loop, app) ready to serve; nothing runs until the loop is started."""
+    store = WeightsStore(settings.store_path)
     if settings.backend == "vllm":
         from specrl.serving.vllm.build import build_vllm_loop
 
-        loop = build_vllm_loop(settings)
-        return loop, create_app(loop, settings, WeightsStore(settings.store_path), loop.telemetry)
+        loop = build_vllm_loop(settings, store)
+        return loop, create_app(loop, settings, store)
     if settings.backend != "native":
         raise SpecrlError(f"unknown backend {settings.backend!r}: use native or vllm")
-    from transformers import AutoTokenizer
-
-    from specrl.assets import resolve_model
-    from specrl.models.drafter import EagleDrafter
-    from specrl.models.llama import load_llama
-
-    store = WeightsStore(settings.store_path)
-    model_dir = resolve_model(settings.model, settings.home)
-    policy = store.current("policy")
-    target = load_llama(store.verify("policy", policy) if policy else model_dir)
-    drafter_version = store.current("drafter") if settings.drafter != "none" else None
-    if drafter_version:
-        drafter = EagleDrafter.load(store.verify("drafter", drafter_version), target)
-    else:
-        drafter_version = settings.drafter_version
-        drafter = Engine.drafter_from_setting(settings, target)
-    settings = settings.replace(target_version=policy or settings.target_version,
-                                drafter_version=drafter_version if drafter else "none")
     sink = (RedisSink(settings.redis_url, events_stream(settings.deployment), maxlen=settings.telemetry_maxlen,
                       content=settings.telemetry_content) if settings.redis_url else MemorySink(capacity=10_000))
-    engine = Engine(target, AutoTokenizer.from_pretrained(model_dir), settings, drafter=drafter, sink=_Stamped(sink, settings))
-    loop = EngineLoop(engine)
-    return loop, create_app(loop, settings, store, sink)
-
-
-class _Stamped:
-    """Stamps deployment and replica on every record before the real sink sees it."""
-
-    def __init__(self, sink, settings: Settings):
-        self.sink, self.deployment, self.replica = sink, settings.deployment, settings.replica
-
-    def emit(self, record) -> None:
-        record.deployment, record.replica = self.deployment, self.replica
-        self.sink.emit(record)
+    engine = Engine.from_settings(settings, sink=sink, store=store)
+    fleet = (FleetFeed(settings.redis_url, events_stream(settings.deployment), settings.replica, engine.suffix,
+                       deployment=settings.deployment) if settings.redis_url and engine.suffix is not None else None)
+    loop = EngineLoop(engine, telemetry=sink, fleet=fleet)
+    return loop, create_app(loop, settings, store)
 
 
 def serve(settings: Settings) -> int:
@@ -78,8 +53,8 @@ def serve(settings: Settings) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_graceful_shutdown=int(settings.shutdown_timeout))
     server = _GracefulServer(config)
-    if hasattr(loop, "on_death"):  # a dead engine cannot come back: exit non-zero so a supervisor restarts us
-        loop.on_death = lambda: setattr(server, "should_exit", True)
+    # A dead engine cannot come back: exit non-zero so that a supervisor restarts the server.
+    loop.on_death = lambda: setattr(server, "should_exit", True)
     server.run()
     if not server.started:  # the engine failed to start (lifespan error): uvicorn logged why
         return 1

@@ -154,7 +154,7 @@ def _build_smollm2(home: Path, out: Path, progress: bool) -> None:
     gguf = _gguf_file(home, progress)
     with _stage("convert GGUF -> fp32 safetensors", progress):
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # save_pretrained refuses a GGUF-loaded model while the quantizer is attached (FACTS.md).
+        # save_pretrained refuses a GGUF-loaded model while the quantizer is attached (transformers 5.19 raises).
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

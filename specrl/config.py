@@ -21,77 +21,86 @@ def _default_home() -> Path:
     return Path(cache) / "specrl"
 
 
-NON_NEGATIVE = ("threads", "max_draft_tokens", "draft_vocab_size", "unroll_steps")
+NON_NEGATIVE = ("threads", "max_draft_tokens", "draft_vocab_size", "unroll_steps", "suffix_capacity",
+                "suffix_max_tokens")
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING,
+            choices: tuple[str, ...] | None = None) -> Any:
+    """A settings field with its help text and allowed values (the CLI's flags are made from these)."""
+    return field(default=default, default_factory=factory, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
 class Settings:
-    # Where fetched models, converted weights and reports live.
-    home: Path = field(default_factory=_default_home)
-    # Model alias (see specrl.assets.MODELS) or a path to an HF safetensors directory.
-    model: str = "smollm2-135m"
-    # Drafter directory, "day0" (an untrained EAGLE head built from the target) or "none".
-    drafter: str = "day0"
-    # Torch intra-op threads. 0 keeps torch's default.
-    threads: int = 0
-    # Engine: KV slots (concurrent sequences), context per slot, waiting-queue bound.
-    max_batch: int = 8
-    max_seq_len: int = 2048
-    max_waiting: int = 256
-    # Prompt tokens prefilled per engine step, so a long prompt cannot stall decoding.
-    prefill_chunk: int = 512
-    # Speculation: the largest draft length the controller may choose (it may choose 0).
-    max_draft_tokens: int = 4
-    # A fixed draft length for every step (benchmarks, tests); -1 lets the controller choose.
-    fixed_draft_tokens: int = -1
-    # A day-0 drafter's vocabulary: the first N token ids (0: the target's whole vocabulary).
-    # Measured on SmolLM2: a drafter pass costs 5.4 ms with 8192 ids vs 28.5 ms with all 49,152
-    # (the head is most of it), and the same held-out acceptance after the same training.
-    draft_vocab_size: int = 8192
-    # Versions of the weights serving at start (the weights store sets them later).
-    target_version: str = "base"
-    drafter_version: str = "day0"
-    seed: int = 0
-    # Serving.
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # Weights store root; empty: <home>/weights.
-    store: str = ""
-    # Admin API bearer token; empty disables the admin routes (fail closed).
-    admin_token: str = ""
-    # Reward events: Redis URL (empty: keep records in memory only), stream naming, content.
-    redis_url: str = ""
-    deployment: str = "default"
-    replica: str = "0"
-    telemetry_content: bool = True
-    telemetry_maxlen: int = 100_000
-    max_body_bytes: int = 1 << 20
-    # Seconds a SIGTERM waits for in-flight requests before aborting them.
-    shutdown_timeout: float = 30.0
-    # Drafter trainer.
-    servers: str = ""  # comma-separated replica URLs asked to swap after a publish
-    objective: str = "kl"  # kl | kl_neg | pg
-    lr: float = 1e-3  # measured: first-draft acceptance 0.23 vs 0.14 for 3e-4 after the same 50 steps
-    # Extra training passes that feed the drafter its own predicted features (training-time test):
-    # drafts after the first read the drafter's outputs, not the target's, at serving time.
-    unroll_steps: int = 1
-    train_records: int = 16  # records per optimizer step
-    train_positions: int = 1024  # at most this many drafter positions per step
-    publish_every_s: float = 60.0
-    publish_every_steps: int = 50
-    publish_margin: float = 0.02  # candidate tau must beat serving tau by this fraction
-    heldout_fraction: float = 0.1
-    eval_k: int = 4
-    canary_tokens: int = 200  # drafted tokens observed before judging a new drafter live
-    canary_margin: float = 0.05  # rollback when its accept rate falls this far below the previous
-    consumer: str = "trainer-0"
-    claim_idle_ms: int = 60_000  # another consumer's records idle this long are claimed (it died)
-    trainer_metrics_port: int = 0  # > 0: the trainer serves Prometheus metrics (consumer lag) here
-    checkpoint_every_steps: int = 5
-    # Serving backend: "native" (specrl's engine) or "vllm" (vLLM's async engine; the [vllm] extra).
-    backend: str = "native"
-    # vLLM backend: KV cache size in MiB (on CPU vLLM otherwise reserves most of the machine's memory).
-    vllm_kv_cache_mb: int = 1024
+    # ---- where things are
+    home: Path = setting(factory=_default_home, help="cache home: models, weights, runs, reports")
+    model: str = setting("smollm2-135m", "model alias (smollm2-135m, tiny-random) or an HF safetensors directory")
+    drafter: str = setting("day0", "drafter directory, 'day0' (an untrained EAGLE head built from the target) "
+                                   "or 'none'")
+    store: str = setting("", "weights store root (default <home>/weights)")
+    threads: int = setting(0, "torch intra-op threads (0: torch's default)")
+    dtype: str = setting("auto", "serving weights and KV cache: auto (bfloat16 where the CPU has native bf16 dot "
+                                 "products, avx512_bf16 or AMX; else float32), float32 or bfloat16",
+                         choices=("auto", "float32", "bfloat16"))
+    seed: int = setting(0, "seed of the engine's own randomness and of day-0 drafters")
+    # ---- engine
+    max_batch: int = setting(8, "KV slots: the most sequences decoded together")
+    max_seq_len: int = setting(2048, "context per sequence (prompt + output), in tokens")
+    max_waiting: int = setting(256, "queued requests beyond which new ones get 429")
+    prefill_chunk: int = setting(512, "prompt tokens prefilled per engine step, so a long prompt cannot stall decoding")
+    max_draft_tokens: int = setting(4, "the largest draft length the controller may choose (it may choose 0)")
+    fixed_draft_tokens: int = setting(-1, "draft this many tokens every step (benchmarks, tests); -1: the controller "
+                                          "chooses")
+    # Measured on SmolLM2: a drafter pass costs 5.4 ms with 8192 ids vs 28.5 ms with all 49,152 (the
+    # head is most of it), with the same held-out acceptance after the same training.
+    draft_vocab_size: int = setting(8192, "a day-0 drafter's vocabulary: the first N token ids (0: all)")
+    # The suffix index: 4 bytes of tokens + 16 of hash chains per slot (1M slots: ~20 MB); measured
+    # proposing for 8 sequences in 67 us (p50) at 3M slots.
+    suffix_capacity: int = setting(1_000_000, "suffix index size in tokens over recent requests (0: the suffix "
+                                              "proposer is off)")
+    suffix_max_tokens: int = setting(16, "the longest draft the suffix index may propose")
+    suffix_min_confidence: float = setting(0.1, "the suffix index stops drafting when the product of its token "
+                                                "confidences falls below this")
+    target_version: str = setting("base", "the policy version serving at start when the store has none")
+    drafter_version: str = setting("day0", "the drafter version serving at start when the store has none")
+    # ---- serving
+    backend: str = setting("native", "serving backend: native (specrl's engine) or vllm (the [vllm] extra)",
+                           choices=("native", "vllm"))
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    admin_token: str = setting("", "admin API bearer token; empty disables the admin routes")
+    max_body_bytes: int = setting(1 << 20, "request bodies over this many bytes get 413")
+    shutdown_timeout: float = setting(30.0, "seconds a SIGTERM waits for in-flight requests before aborting them")
+    vllm_kv_cache_mb: int = setting(1024, "vLLM backend: KV cache MiB (on CPU vLLM otherwise takes most of the memory)")
+    # ---- reward events
+    redis_url: str = setting("", "Redis URL for reward events (empty: records stay in memory)")
+    deployment: str = setting("default", "deployment name: the stream specrl:<deployment>:events")
+    replica: str = setting("0", "this server's replica name in the records")
+    telemetry_content: bool = setting(True, "record token ids (off: counters only)")
+    telemetry_maxlen: int = setting(100_000, "approximate stream length kept in Redis")
+    # ---- drafter trainer
+    servers: str = setting("", "comma-separated replica URLs asked to swap after a publish")
+    objective: str = setting("kl", "drafter objective", choices=("kl", "kl_neg", "pg"))
+    # Measured: first-draft acceptance 0.23 vs 0.14 for 3e-4 after the same 50 steps.
+    lr: float = setting(1e-3, "drafter learning rate (AdamW)")
+    # Drafts after the first read the drafter's own outputs, not the target's, when serving.
+    unroll_steps: int = setting(1, "extra passes on the drafter's own predicted features (training-time test); 0: off")
+    train_records: int = setting(16, "records per optimizer step")
+    train_positions: int = setting(1024, "at most this many drafter positions per optimizer step")
+    publish_every_s: float = setting(60.0, "evaluate (and maybe publish) at least this often")
+    publish_every_steps: int = setting(50, "evaluate (and maybe publish) every this many optimizer steps")
+    publish_margin: float = setting(0.02, "a candidate must beat the serving drafter's held-out tau by this fraction")
+    heldout_fraction: float = setting(0.1, "fraction of requests held out for evaluation")
+    eval_k: int = setting(4, "draft length of the held-out evaluation")
+    canary_tokens: int = setting(200, "drafted tokens observed before judging a new drafter live")
+    canary_margin: float = setting(0.05, "roll back when a new drafter's live accept rate falls this far below the last")
+    consumer: str = setting("trainer-0", "stable consumer name in the stream's consumer group")
+    claim_idle_ms: int = setting(60_000, "another consumer's records idle this long are claimed (it died)")
+    trainer_metrics_port: int = setting(0, "serve the trainer's Prometheus metrics on this port (0: off)")
+    trainer_events: str = setting("", "the trainer's progress events, JSON lines (default "
+                                      "<home>/trainer/<deployment>/<consumer>.events.jsonl)")
+    checkpoint_every_steps: int = setting(5, "checkpoint (then ack) every this many optimizer steps")
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
@@ -107,6 +116,10 @@ class Settings:
         if unknown:
             raise InvalidRequestError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         settings = cls(**{k: _coerce(cls, k, v) for k, v in values.items()})
+        for f in fields(cls):
+            choices = f.metadata.get("choices")
+            if choices and getattr(settings, f.name) not in choices:
+                raise InvalidRequestError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(settings, f.name)!r}")
         for name in NON_NEGATIVE:
             if getattr(settings, name) < 0:
                 raise InvalidRequestError(f"{name} must be >= 0, got {getattr(settings, name)}")
@@ -118,6 +131,24 @@ class Settings:
     @property
     def store_path(self) -> Path:
         return Path(self.store).expanduser() if self.store else self.home / "weights"
+
+    @classmethod
+    def help_of(cls, name: str) -> tuple[str, str, tuple[str, ...] | None]:
+        """-> (type name, help text, choices) of a setting (the CLI builds its flags from them)."""
+        f = {f.name: f for f in fields(cls)}[name]
+        return str(f.type), f.metadata.get("help", ""), f.metadata.get("choices")
+
+    def with_env_redis(self, env: Mapping[str, str] | None = None) -> "Settings":
+        """`specrl up`, `rl`, `bench adapt`: without --redis-url, the conventional $REDIS_URL (else they
+        start an embedded server)."""
+        env = os.environ if env is None else env
+        return self if self.redis_url else self.replace(redis_url=env.get("REDIS_URL", ""))
+
+    @property
+    def trainer_events_path(self) -> Path:
+        if self.trainer_events:
+            return Path(self.trainer_events).expanduser()
+        return self.home / "trainer" / self.deployment / f"{self.consumer}.events.jsonl"
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:

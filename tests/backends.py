@@ -26,7 +26,7 @@ import httpx
 import pytest
 import redis
 
-from specrl.launch import free_port, spawn, terminate, wait_healthy
+from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
@@ -159,12 +159,12 @@ def publish_start_version(store_root: Path, model_dir: Path, role: str) -> None:
         store.publish("policy", model_dir, version=version)
         return
     from specrl.config import Settings
+    from specrl.engine.start import DAY0, build_drafter
     from specrl.models.llama import load_llama
-    from specrl.serving.engine import Engine
 
-    settings = Settings.load(model=str(model_dir), drafter="day0")
+    settings = Settings.load(model=str(model_dir), drafter=DAY0)
     with tempfile.TemporaryDirectory(prefix="specrl-day0-") as tmp:
-        Engine.drafter_from_setting(settings, load_llama(model_dir)).save(Path(tmp))
+        build_drafter(DAY0, load_llama(model_dir), settings).save(Path(tmp))
         store.publish("drafter", tmp, version=version)
 
 

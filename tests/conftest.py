@@ -12,7 +12,7 @@ import torch
 
 from specrl.assets import fetch_model
 from specrl.config import Settings
-from specrl.serving.engine import Engine
+from specrl.engine.engine import Engine
 from specrl.telemetry.sink import MemorySink
 from tests.backends import VLLM_MARKS, ServerPool, native_backend, restore_versions, vllm_backend
 

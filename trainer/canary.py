@@ -1,7 +1,8 @@
 """Watches the acceptance a newly published drafter gets on live traffic; says when to roll back.
 
-The live signal is the per-token acceptance rate accepted / drafted over steps that drafted,
-read from the event records (which name the drafter version that produced them). After a swap,
+The live signal is the per-token acceptance rate accepted / drafted over the steps the head
+drafted, read from the event records (which name the drafter version that produced them, and the
+proposer of each step: the suffix index's drafts do not count). After a swap,
 once the new version has `window` drafted tokens, it is compared with the previous version's rate
 over its last `window` tokens; falling more than `margin` below means roll back.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
+from specrl.spec.quantities import acceptance_rate
 from specrl.telemetry.record import SegmentRecord
 
 
@@ -22,7 +24,7 @@ class Canary:
     def observe(self, record: SegmentRecord) -> None:
         steps = self._steps[record.drafter_version]
         for step in record.steps:
-            if step.k > 0:
+            if step.k > 0 and step.proposer != "suffix":
                 steps.append((step.k, step.accepted))
         while sum(k for k, _ in steps) > 4 * self.window:
             steps.popleft()
@@ -34,7 +36,7 @@ class Canary:
             if drafted >= self.window:
                 break
             drafted, accepted = drafted + k, accepted + a
-        return (accepted / drafted if drafted else None), drafted
+        return acceptance_rate(accepted, drafted), drafted
 
     def watch(self, new: str, previous: str) -> None:
         self.watching = (new, previous)

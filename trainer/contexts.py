@@ -76,6 +76,8 @@ class ContextBook:
             self._tokens.pop(record.request_id, None)
         rejected, steps = [], []
         for step in record.steps:
+            if step.proposer == "suffix":  # the index's drafts say nothing about the head's distribution
+                continue
             steps.append((step.position, list(step.draft_tokens), step.accepted))
             if step.accepted < step.k:  # draft i (0-based) sits at position step.position + i
                 position = step.position + step.accepted

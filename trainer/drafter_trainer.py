@@ -29,20 +29,23 @@ import redis
 import torch
 
 from specrl.config import Settings
-from specrl.errors import SpecrlError
+from specrl.engine.start import DAY0, NO_DRAFTER, build_drafter, start_weights
+from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.models.drafter import EagleDrafter
 from specrl.models.llama import Llama, load_llama
 from specrl.spec.simulate import simulate_greedy
+from specrl.telemetry.event_log import EventLog
 from specrl.telemetry.reader import RecordReader
 from specrl.trainer.canary import Canary
 from specrl.trainer.checkpoint import save_checkpoint
 from specrl.trainer.contexts import ContextBook, Example
-from specrl.trainer.objectives import OBJECTIVES, drafter_loss, forward_kl
+from specrl.trainer.objectives import OBJECTIVES, drafter_loss
 from specrl.trainer.publisher import Publisher
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.trainer")
 STALE_WEIGHT = 0.25
+EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 class TargetPool:
@@ -82,19 +85,21 @@ class TargetPool:
 
 class DrafterTrainer:
     def __init__(self, settings: Settings, model_dir: Path, reader: RecordReader, *, store: WeightsStore,
-                 publisher: Publisher | None, state_path: Path):
+                 publisher: Publisher | None, state_path: Path, events: EventLog | None = None):
         if settings.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {settings.objective!r}")
         if settings.unroll_steps < 0:
             raise ValueError(f"unroll_steps must be >= 0, got {settings.unroll_steps}")
         self.settings, self.reader, self.store, self.publisher = settings, reader, store, publisher
+        self.events = events or EventLog(None)
         self.targets = TargetPool(model_dir, settings.target_version, store)
         self.target_version = settings.target_version
         base = self.targets.get(self.target_version)
-        serving = store.current("drafter")
-        self.drafter = (EagleDrafter.load(store.verify("drafter", serving), base) if serving
-                        else EagleDrafter.day0(base, seed=settings.seed, draft_vocab_size=settings.draft_vocab_size))
-        self.serving_version = serving or settings.drafter_version
+        start = start_weights(settings, model_dir, store)
+        if start.drafter == NO_DRAFTER:
+            raise InvalidRequestError("the drafter trainer needs a drafter to train: --drafter day0 or a directory")
+        self.drafter = build_drafter(start.drafter, base, settings)
+        self.serving_version = start.drafter_version
         self.serving = copy.deepcopy(self.drafter)  # what replicas run: the bar a candidate must beat
         self.serving.retarget(base)
         self.optimizer = torch.optim.AdamW([p for p in self.drafter.parameters() if p.requires_grad], lr=settings.lr)
@@ -107,7 +112,7 @@ class DrafterTrainer:
         self.history: list[dict] = []  # evaluations and publishes, for reports
         self._last_eval = time.monotonic()
         self._last_eval_step = 0
-        self._scaled = serving is not None  # a published drafter already carries its feature scale
+        self._scaled = start.drafter != DAY0  # a trained drafter already carries its feature scale
         self.load_state()
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -157,6 +162,8 @@ class DrafterTrainer:
         if batch:
             started = time.perf_counter()
             loss = self.train(batch)
+            self.events.write("train", step=self.step, records=self.records, loss=loss,
+                              step_s=round(time.perf_counter() - started, 3))
             if self.step % 10 == 0:
                 log.info("event=train step=%d records=%d loss=%.4f step_s=%.2f", self.step, self.records, loss,
                          time.perf_counter() - started)
@@ -194,7 +201,9 @@ class DrafterTrainer:
         hidden = self.targets.features(example.target_version, example.tokens)
         if hidden is None:
             return None
-        if not self._scaled:  # standardise features once, from the first context seen (FACTS.md)
+        # Standardise features once, from the first context seen: the target's hidden states have
+        # outlier dimensions (RMS up to ~470 on SmolLM2, against ~1 for most).
+        if not self._scaled:
             self.drafter.set_feature_scale(hidden.std(0).clamp(min=1e-2))
             self._scaled = True
         tokens = torch.tensor(example.tokens)
@@ -204,13 +213,13 @@ class DrafterTrainer:
         # renormalised over it (the drafter cannot propose anything else). The target at j+1
         # predicts x_{j+2}.
         target_logits = self.targets.draft_logits(example.target_version, hidden[index + 1], self.drafter)
-        draft_logits = self.drafter.logits(out[index])
+        head = self.drafter.head_weight()
         row_of = {p: i for i, p in enumerate(positions)}
         rejected_rows, rejected_tokens = self._in_draft_vocab(
             [(row_of[p], t) for p, t in example.rejected if p in row_of], width=2)
         step_rows, step_tokens, step_returns = self._in_draft_vocab(
             [(row_of[pos - 2], d[0], a) for pos, d, a in example.steps if d and pos - 2 in row_of], width=3)
-        loss = drafter_loss(self.settings.objective, draft_logits, target_logits,
+        loss = drafter_loss(self.settings.objective, self.drafter.head_input(out[index]), head, target_logits,
                             rejected_rows=rejected_rows, rejected_tokens=rejected_tokens,
                             step_rows=step_rows, step_tokens=step_tokens, step_returns=step_returns)
         for _ in range(self.settings.unroll_steps):
@@ -219,7 +228,9 @@ class DrafterTrainer:
             # where serving attends to a prefix built from real features). Measured on SmolLM2:
             # second-draft acceptance 0.044 vs 0.010 of steps after the same 50 optimizer steps.
             out = self.drafter(torch.cat([hidden[:1], out.detach()[:-1]])[None], tokens[None, 1:])[0]
-            loss = loss + forward_kl(self.drafter.logits(out[index]), target_logits)
+            loss = loss + drafter_loss("kl", self.drafter.head_input(out[index]), head, target_logits,
+                                       rejected_rows=EMPTY, rejected_tokens=EMPTY, step_rows=EMPTY,
+                                       step_tokens=EMPTY, step_returns=EMPTY)
         return loss / (1 + self.settings.unroll_steps)
 
     def _in_draft_vocab(self, rows: list[tuple[int, ...]], width: int) -> tuple[torch.Tensor, ...]:
@@ -251,23 +262,29 @@ class DrafterTrainer:
             return None
         candidate, serving = self.evaluate(self.drafter), self.evaluate(self.serving)
         self._last_eval, self._last_eval_step = time.monotonic(), self.step  # after: evaluation time is not training time
-        entry = {"time": time.time(), "step": self.step, "records": self.records, "candidate_tau": candidate,
-                 "serving_tau": serving, "serving_version": self.serving_version, "published": None}
-        self.history.append(entry)
+        entry = self.events.write("evaluate", step=self.step, records=self.records, candidate_tau=candidate,
+                                  serving_tau=serving, serving_version=self.serving_version)
+        self.history.append({**entry, "published": None})
         log.info("event=evaluate step=%d records=%d candidate_tau=%s serving_tau=%s", self.step, self.records,
                  candidate, serving)
         if candidate is None or serving is None or candidate <= serving * (1 + self.settings.publish_margin):
             return None
-        return self._publish(candidate, serving, entry)
+        return self._publish(candidate, serving, self.history[-1])
 
     def _publish(self, candidate: float, serving: float, entry: dict) -> str | None:
         if self.publisher is None:
             return None
+        if self.serving_version not in {m.version for m in self.store.versions("drafter")}:
+            # The day-0 head serves from no store: store it first, so that a rollback can return to it.
+            self.publisher.publish(self.serving, parent=None, target_version=self.target_version,
+                                   metrics={"heldout_tau": serving}, version=self.serving_version)
         version = self.publisher.publish(self.drafter, parent=self.serving_version, target_version=self.target_version,
                                          metrics={"heldout_tau": candidate, "serving_tau": serving, "step": self.step,
                                                   "records": self.records})
         report = self.publisher.swap(version)
         entry.update(published=version, swapped=report.swapped, failed=report.failed)
+        self.events.write("publish", version=version, parent=self.serving_version, tau=candidate, serving_tau=serving,
+                          step=self.step, records=self.records, swapped=report.swapped, failed=list(report.failed))
         log.info("event=publish version=%s parent=%s tau=%.3f serving_tau=%.3f swapped=%s failed=%s", version,
                  self.serving_version, candidate, serving, report.swapped, list(report.failed))
         if report.swapped:
@@ -281,11 +298,15 @@ class DrafterTrainer:
         if reason is None or self.publisher is None:
             return
         bad, parent = self.serving_version, self.store.parent("drafter", self.serving_version)
-        if parent is None:
+        if parent is None or parent not in {m.version for m in self.store.versions("drafter")}:
+            log.warning("event=rollback_impossible version=%s parent=%s reason=%r (the parent is not in the store)",
+                        bad, parent, reason)
             return
         report = self.publisher.swap(parent)
         log.warning("event=rollback version=%s to=%s reason=%r swapped=%s", bad, parent, reason, report.swapped)
-        self.history.append({"time": time.time(), "step": self.step, "rollback": bad, "to": parent, "reason": reason})
+        entry = self.events.write("rollback", step=self.step, version=bad, to=parent, reason=reason,
+                                  swapped=report.swapped)
+        self.history.append({**entry, "rollback": bad})
         self.serving = EagleDrafter.load(self.store.verify("drafter", parent), self.drafter.target)
         self.serving_version = parent
 

@@ -11,6 +11,7 @@ from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
 from specrl.telemetry import RecordReader, events_stream
+from specrl.telemetry.event_log import EventLog
 from specrl.trainer.drafter_trainer import DrafterTrainer
 from specrl.trainer.publisher import Publisher
 from specrl.weights import WeightsStore
@@ -27,7 +28,7 @@ def build_trainer(settings: Settings) -> DrafterTrainer:
     publisher = Publisher(store, servers, settings.admin_token) if servers else None
     state = settings.home / "trainer" / settings.deployment / f"{settings.consumer}.pt"
     return DrafterTrainer(settings, resolve_model(settings.model, settings.home), reader, store=store,
-                          publisher=publisher, state_path=state)
+                          publisher=publisher, state_path=state, events=EventLog(settings.trainer_events_path))
 
 
 def train_drafter(settings: Settings) -> int:
@@ -40,6 +41,8 @@ def train_drafter(settings: Settings) -> int:
     logging.getLogger("specrl.trainer").info(
         "event=start deployment=%s consumer=%s objective=%s serving_drafter=%s", settings.deployment,
         settings.consumer, settings.objective, trainer.serving_version)
+    trainer.events.write("start", deployment=settings.deployment, consumer=settings.consumer,
+                         objective=settings.objective, serving_drafter=trainer.serving_version)
     trainer.run(lambda: bool(stopping), on_step=_metrics(settings.trainer_metrics_port))
     trainer.save_state()
     if trainer.unacked:

@@ -9,9 +9,16 @@ acceptance at one position is 1 - TV(p, q), so the drafter learns by bringing q 
   weighted by (accepted - baseline); the baseline is the batch mean. Plus a small KL term that
   keeps it anchored (pure REINFORCE from day 0 rarely sees a reward).
 
-Shapes: draft_logits [N, V_d] float32 and target_logits [N, V_d] float32, both over the draft
-vocabulary (a reduced one: the caller takes the target's logits of those ids only, so p is
-renormalised over what the drafter can propose) for the same N positions; token ids are draft ids.
+The KL and negative terms are `specrl.kernels.fused_drafter_loss` (its docstring has the math):
+computed from the head's input and weight in vocabulary chunks, so the [N, V_d] draft logits of
+every trained position never exist whole. Only the policy-gradient term reads logits, at its few
+step rows.
+
+Shapes: head_input [N, H] float32, the drafter's hidden states after its final norm at N trained
+positions; head_weight [V_d, H], the draft head; target_logits [N, V_d] float32, the target's
+logits over the same draft vocabulary (a reduced one: the caller takes the target's logits of those
+ids only, so p is renormalised over what the drafter can propose). Token ids are draft ids; rows
+index the N positions.
 """
 
 from __future__ import annotations
@@ -19,45 +26,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specrl.kernels import fused_drafter_loss
+
 OBJECTIVES = ("kl", "kl_neg", "pg")
 NEG_WEIGHT = 0.5
 PG_KL_WEIGHT = 0.1
 
 
-def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(p || q) = sum_x p(x) (log p(x) - log q(x))."""
-    log_p = F.log_softmax(target_logits, -1)
-    log_q = F.log_softmax(draft_logits, -1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-
-
-def rejected_penalty(draft_logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean of -log(1 - q(d)) over (row, rejected token d) pairs; 0 when there are none."""
-    if len(rows) == 0:
+def policy_gradient(draft_logits: torch.Tensor, tokens: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+    """-(R - mean R) * log q(d) averaged over S steps: draft_logits [S, V_d] at each step's row,
+    tokens [S] its first draft token, returns [S] its accepted length. 0 for fewer than 2 steps."""
+    if len(tokens) < 2:
         return draft_logits.new_zeros(())
-    q = F.softmax(draft_logits[rows], -1).gather(-1, tokens[:, None]).squeeze(-1)
-    return -torch.log1p(-q.clamp(max=1 - 1e-6)).mean()
-
-
-def policy_gradient(draft_logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
-                    returns: torch.Tensor) -> torch.Tensor:
-    """-(R - mean R) * log q(d) averaged over steps; rows/tokens/returns [S]."""
-    if len(rows) < 2:
-        return draft_logits.new_zeros(())
-    log_q = F.log_softmax(draft_logits[rows], -1).gather(-1, tokens[:, None]).squeeze(-1)
+    log_q = F.log_softmax(draft_logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
     advantage = returns.float() - returns.float().mean()
     return -(advantage * log_q).mean()
 
 
-def drafter_loss(objective: str, draft_logits: torch.Tensor, target_logits: torch.Tensor, *,
+def drafter_loss(objective: str, head_input: torch.Tensor, head_weight: torch.Tensor, target_logits: torch.Tensor, *,
                  rejected_rows: torch.Tensor, rejected_tokens: torch.Tensor,
                  step_rows: torch.Tensor, step_tokens: torch.Tensor, step_returns: torch.Tensor) -> torch.Tensor:
     if objective == "kl":
-        return forward_kl(draft_logits, target_logits)
+        return fused_drafter_loss(head_input, head_weight, target_logits)
     if objective == "kl_neg":
-        return forward_kl(draft_logits, target_logits) + NEG_WEIGHT * rejected_penalty(draft_logits, rejected_rows,
-                                                                                        rejected_tokens)
+        return fused_drafter_loss(head_input, head_weight, target_logits, rejected_rows, rejected_tokens, NEG_WEIGHT)
     if objective == "pg":
-        return (policy_gradient(draft_logits, step_rows, step_tokens, step_returns)
-                + PG_KL_WEIGHT * forward_kl(draft_logits, target_logits))
+        step_logits = head_input[step_rows] @ head_weight.T  # [S, V_d]: S is a few rows per example
+        return (policy_gradient(step_logits, step_tokens, step_returns)
+                + PG_KL_WEIGHT * fused_drafter_loss(head_input, head_weight, target_logits))
     raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")

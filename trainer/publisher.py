@@ -34,11 +34,14 @@ class Publisher:
         self.store, self.servers, self.admin_token = store, servers, admin_token
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
 
-    def publish(self, drafter: EagleDrafter, *, parent: str | None, target_version: str, metrics: dict) -> str:
+    def publish(self, drafter: EagleDrafter, *, parent: str | None, target_version: str, metrics: dict,
+                version: str | None = None) -> str:
+        """Store `drafter` as a new version (the next vN, or `version`) -> its version name."""
         with tempfile.TemporaryDirectory() as tmp:
             drafter.save(Path(tmp))
-            manifest = self.store.publish("drafter", tmp, parent=parent, target_version=target_version,
-                                          metrics=metrics, architecture={"drafter": drafter.cfg.architecture})
+            manifest = self.store.publish("drafter", tmp, version=version, parent=parent,
+                                          target_version=target_version, metrics=metrics,
+                                          architecture={"drafter": drafter.cfg.architecture})
         return manifest.version
 
     def swap(self, version: str) -> SwapReport:

@@ -1,5 +1,4 @@
-"""vLLM's AsyncLLM behind the interface the HTTP app uses (`EngineLoop`'s): submit, outputs,
-abort, alive, stop, swap, versions, stats.
+"""vLLM's AsyncLLM behind the interface the HTTP app uses (`specrl.serving.loop.ServingLoop`).
 
 Requests go to vLLM as token ids with `RequestOutputKind.DELTA`; each delta becomes a
 `StepOutput`. Weights are labelled in vLLM itself (`update_weight_version`, "target;drafter"),
@@ -24,10 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from specrl.engine.outputs import EngineStats, StepOutput
+from specrl.engine.swap import SwapResult, check_swap
+from specrl.engine.validation import check_request
 from specrl.errors import EngineUnavailableError, QueueFullError, SwapError
-from specrl.serving.engine import EngineStats, StepOutput, check_request
 from specrl.serving.engine_loop import read_outputs
-from specrl.serving.swap import SwapResult
+from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
 
 log = logging.getLogger("specrl.engine")
@@ -40,30 +41,26 @@ class VllmRequest:
     """One request's spec-decode stats and version runs (filled when it finishes)."""
 
     request_id: str
-    steps: int = 0
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    spec: SpecCounts = field(default_factory=SpecCounts)
     version_runs: list[list] = field(default_factory=list)
 
 
 @dataclass
 class Telemetry:
-    """The worker's sink counters, refreshed in the background (read by /metrics)."""
+    """The worker's sink counters (`SinkCounters`), refreshed in the background (read by /metrics);
+    the worker's sink closes with the engine."""
 
     sent: int = 0
     dropped: int = 0
     queued: int = 0
 
-    def close(self, timeout: float = 0) -> None:  # the worker's sink closes with the engine
-        pass
-
 
 class VllmLoop:
     def __init__(self, engine_args, tokenizer, settings, *, worker_options: dict, has_drafter: bool,
-                 vocab_size: int):
+                 vocab_size: int, info: dict[str, str] | None = None):
         self.engine_args, self.tokenizer, self.settings = engine_args, tokenizer, settings
         self.worker_options, self.has_drafter, self.vocab_size = worker_options, has_drafter, vocab_size
+        self.info = info or {"backend": "vllm"}
         self.target_version = settings.target_version
         self.drafter_version = settings.drafter_version if has_drafter else "none"
         self.stats = EngineStats()
@@ -103,9 +100,6 @@ class VllmLoop:
         return len(self._tasks)
 
     num_waiting = 0  # vLLM's own queue is not visible here; `num_running` counts every open request
-
-    def wake(self) -> None:
-        pass
 
     def stop(self, timeout: float) -> None:
         """Stop admitting, wait for open requests up to `timeout`, then shut the engine down (any thread)."""
@@ -173,27 +167,22 @@ class VllmLoop:
         return StepOutput(request.request_id, tokens, finished, reason, target, drafter, logprobs)
 
     def _finish(self, request: VllmRequest, out) -> None:
-        m = out.spec_decode_metrics
+        m = out.spec_decode_metrics  # histogram[j]: drafting steps that accepted j drafts
+        spec = request.spec
         if m is not None:
-            request.drafts = sum(m.histogram)
-            request.drafted = m.num_draft_tokens
-            request.accepted = sum(j * n for j, n in enumerate(m.histogram))
-            self.stats.drafts += request.drafts
-            self.stats.draft_tokens += request.drafted
-            self.stats.accepted_tokens += request.accepted
-            per_pos = self.stats.accepted_per_position
-            per_pos += [0] * (len(m.histogram) - 1 - len(per_pos))
-            for j, n in enumerate(m.histogram):
-                for position in range(j):
-                    per_pos[position] += n
-        request.steps = request.drafts + 1  # the prefill's token is a step without a draft
-        self.stats.steps += request.steps
+            spec.num_drafts = sum(m.histogram)
+            spec.num_draft_tokens = m.num_draft_tokens
+            spec.num_accepted_tokens = sum(j * n for j, n in enumerate(m.histogram))
+            spec.num_accepted_tokens_per_pos = [sum(m.histogram[j + 1:]) for j in range(len(m.histogram) - 1)]
+        spec.num_steps = spec.num_drafts + 1  # the prefill's token is a step without a draft
+        self.stats.spec.add(spec)
         request.version_runs = [[span.start, *_unlabel(span.version)] for span in out.weight_versions or []
                                 if span.end > span.start]
 
     # ---- swaps -------------------------------------------------------------------------------
     async def swap(self, role: str, version: str, mode: str, directory) -> SwapResult:
         requested = time.perf_counter()
+        check_swap(role, mode)
         if not self.alive:
             raise EngineUnavailableError("the vLLM engine is not running")
         await self.engine.pause_generation(mode="wait" if role == "policy" and mode == "drain" else "keep",

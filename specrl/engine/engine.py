@@ -1,99 +1,51 @@
-"""The native engine: one step at a time, schedule -> propose -> verify -> commit -> emit.
+"""The native engine: one step at a time, schedule -> propose -> verify -> commit -> record -> swap.
 
 The engine owns the target, the drafter, both KV caches, the scheduler and the speculation
 controller. It is synchronous and single-threaded on purpose: whoever drives it (a test, a
-benchmark, the server's engine thread) calls `step()` in a loop; `submit` and `abort` may be
-called from other threads.
+benchmark, the server's engine thread) calls `step()` in a loop; `submit`, `abort` and
+`request_swap` may be called from other threads.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from specrl.config import Settings
-from specrl.errors import InvalidRequestError, SwapInProgressError
-from specrl.kernels import rejection_sample
+from specrl.engine.commit import commit_tokens, token_logprobs
+from specrl.engine.outputs import Completion, EngineStats, StepOutput
+from specrl.engine.scheduler import Scheduler
+from specrl.engine.sequence import Sequence, Status
+from specrl.engine.start import build_drafter, start_weights
+from specrl.engine.swap import SwapRequest, SwapResult
+from specrl.engine.validation import check_request
+from specrl.errors import SwapInProgressError
+from specrl.models.calibration import Calibration
 from specrl.models.drafter import EagleDrafter
 from specrl.models.llama import Llama, load_llama
-from specrl.serving.scheduler import Scheduler
-from specrl.serving.sequence import Sequence, Status
-from specrl.serving.swap import SwapRequest, SwapResult
-from specrl.spec.controller import CostModel, SpeculationController
-from specrl.spec.propose import Draft, catch_up, propose
-from specrl.spec.sampling import RowSampler, SamplingParams
-from specrl.telemetry.record import SEGMENT_STEPS, SegmentRecord, StepRecord
+from specrl.spec.controller import HEAD, CostModel, RowOffer, SpeculationController, StepPlan
+from specrl.spec.propose import Draft, assemble, catch_up, propose
+from specrl.spec.sampling import RowSampler, SamplingParams, position_uniforms
+from specrl.spec.suffix_index import SuffixIndex
+from specrl.spec.verify import Verification, sample_first, verify
+from specrl.telemetry.record import StepRecord
+from specrl.telemetry.segments import SegmentWriter
 from specrl.telemetry.sink import RecordSink
 
-
-@dataclass
-class StepOutput:
-    """What one step produced for one request: tokens to stream and whether it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    target_version: str
-    drafter_version: str
-    # per new token, when requested: (log-prob of the token, [(id, log-prob) of the top n])
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-
-
-@dataclass
-class EngineStats:
-    """Counters since start, read by /metrics (vLLM's spec-decode names) and benchmarks."""
-
-    steps: int = 0  # verify steps summed over sequences
-    drafts: int = 0  # verify steps that drafted (k > 0)
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-
-    def count(self, k: int, accepted: int, emitted: int) -> None:
-        self.steps += 1
-        self.generated_tokens += emitted
-        if k > 0:
-            self.drafts += 1
-            self.draft_tokens += k
-            self.accepted_tokens += accepted
-            if len(self.accepted_per_position) < k:
-                self.accepted_per_position += [0] * (k - len(self.accepted_per_position))
-            for i in range(accepted):
-                self.accepted_per_position[i] += 1
-
-
-@dataclass
-class Completion:
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finish_reason: str
-    steps: int  # verify steps (the prefill's first token counts as one)
-    drafted: int
-    accepted: int
-    target_version: str
-    drafter_version: str
-    version_runs: list[list]  # [first output index, target version, drafter version]
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens per verify step, bonus included (1.0 = no speculation gain)."""
-        return (self.accepted + self.steps) / max(self.steps, 1)
+log = logging.getLogger("specrl.engine")
+CALIBRATED_POSITIONS = (1, 2, 3, 4, 5, 9, 17)  # verify widths timed at start-up (others interpolated)
 
 
 class Engine:
     def __init__(self, target: Llama, tokenizer, settings: Settings, *, drafter: EagleDrafter | None = None,
-                 sink: RecordSink | None = None, calibrate: bool = True):
-        self.drafter, self.tokenizer, self.settings, self.sink = drafter, tokenizer, settings, sink
+                 sink: RecordSink | None = None, calibrate: bool = True, plan: Calibration | None = None):
+        """plan: the matmul calibration the models were prepared with (None: plain models); swaps
+        prepare new weights with it."""
+        self.drafter, self.tokenizer, self.settings, self.sink, self.plan = drafter, tokenizer, settings, sink, plan
         # Every target version some running sequence still uses (more than one only while a
         # "drain" policy swap lets old requests finish); new requests start on `target_version`.
         self.targets: dict[str, Llama] = {settings.target_version: target}
@@ -108,11 +60,18 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._swap_lock = threading.Lock()
         self._pending_swap: SwapRequest | None = None
-        self.swaps_done = 0
         self.stats = EngineStats()
-        costs = self.calibrate() if calibrate and drafter is not None and settings.fixed_draft_tokens < 0 else CostModel()
+        # What traffic already said: finished requests here (and, through the event stream, on
+        # other replicas) and each request's own prompt and output.
+        self.suffix = SuffixIndex(settings.suffix_capacity) if settings.suffix_capacity > 0 else None
+        if self.suffix is None:
+            log.info("suffix proposer off (suffix_capacity=0)")
+        self.index_finished = True  # finished requests join the index (False: a benchmark measuring engines apart)
+        speculates = drafter is not None or self.suffix is not None
+        costs = self.calibrate() if calibrate and speculates and settings.fixed_draft_tokens < 0 else CostModel()
         fixed = settings.fixed_draft_tokens if settings.fixed_draft_tokens >= 0 else None
-        self.controller = SpeculationController(settings.max_draft_tokens if drafter else 0, costs, fixed_k=fixed)
+        self.controller = SpeculationController(settings.max_draft_tokens if drafter else 0, costs, fixed_k=fixed,
+                                                max_suffix=settings.suffix_max_tokens)
 
     @property
     def target(self) -> Llama:
@@ -120,24 +79,25 @@ class Engine:
         return self.targets[self.target_version]
 
     @classmethod
-    def from_settings(cls, settings: Settings, sink: RecordSink | None = None, *, progress: bool = True) -> "Engine":
+    def from_settings(cls, settings: Settings, sink: RecordSink | None = None, *, store=None,
+                      progress: bool = True) -> "Engine":
+        """The model and drafter the settings name, or the store's current versions when `store` is
+        given, in settings.dtype, each linear packed as the machine's calibration found fastest
+        (measured once per machine, torch version and thread count; cached under <home>/calibration)."""
         from transformers import AutoTokenizer
 
         from specrl.assets import resolve_model
 
         model_dir = resolve_model(settings.model, settings.home, progress=progress)
-        target = load_llama(model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(target, tokenizer, settings, drafter=cls.drafter_from_setting(settings, target), sink=sink)
-
-    @staticmethod
-    def drafter_from_setting(settings: Settings, target: Llama) -> EagleDrafter | None:
-        """settings.drafter: "day0" (untrained head), "none", or a drafter directory."""
-        if settings.drafter == "none":
-            return None
-        if settings.drafter == "day0":
-            return EagleDrafter.day0(target, seed=settings.seed, draft_vocab_size=settings.draft_vocab_size)
-        return EagleDrafter.load(Path(settings.drafter), target)
+        start = start_weights(settings, model_dir, store)
+        plan = Calibration.open(settings.home / "calibration", settings.dtype, progress=progress)
+        log.info("engine %s", plan.note)
+        target = load_llama(start.policy_dir, plan=plan)
+        settings = settings.replace(target_version=start.policy_version, drafter_version=start.drafter_version)
+        drafter = build_drafter(start.drafter, target, settings)
+        if drafter is not None:
+            drafter.prepare_inference(plan)
+        return cls(target, AutoTokenizer.from_pretrained(model_dir), settings, drafter=drafter, sink=sink, plan=plan)
 
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -145,7 +105,15 @@ class Engine:
         check_request(prompt_ids, params, self.target.cfg.vocab_size, self.settings.max_seq_len)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         request_id = request_id or f"req-{next(self._ids)}"
-        seq = Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed))
+        segments = SegmentWriter(self.sink, request_id, list(prompt_ids), deployment=self.settings.deployment,
+                                 replica=self.settings.replica)
+        seq = Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed), segments)
+        if params.seed is not None:  # reproducible whatever speculation does: uniforms by position
+            # (past its last position too: a row shorter than the step's width still reads a column per position)
+            widest = max(self.settings.suffix_max_tokens, self.settings.max_draft_tokens)
+            seq.stream = position_uniforms(params.seed, len(prompt_ids) + params.max_tokens + widest + 2)
+        if self.suffix is not None:
+            seq.suffix = self.suffix.new_request(prompt_ids)
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
         self._sequences[request_id] = seq
@@ -174,29 +142,96 @@ class Engine:
         return outputs
 
     def _decode(self, running: list[Sequence], target: Llama) -> list[StepOutput]:
-        """propose -> verify -> commit for sequences on one target version."""
+        """plan -> propose -> verify -> commit (and record) for sequences on one target version."""
         started = time.perf_counter()
-        sampler = RowSampler.of([s.params for s in running], [s.generator for s in running])
-        room = min(s.remaining_tokens for s in running) - 1
-        k = self.controller.choose(len(running), room) if self.drafter is not None else 0
-        draft = self._propose(running, k, sampler) if k > 0 else Draft.empty(len(running))
-        accepted, emitted, hidden, logits = self._verify(running, draft, sampler, target)
+        sampler = _sampler(running)
+        suffix = [self._suffix_draft(s) for s in running]
+        plan = self.controller.plan([RowOffer(s.remaining_tokens - 1, conf) for s, (_, conf) in zip(running, suffix)],
+                                    head=self.drafter is not None)
+        draft = self._draft(running, plan, [tokens for tokens, _ in suffix], sampler)
+        result = verify(target, self.cache, torch.tensor([s.pending_token for s in running]),
+                        torch.tensor([s.slot for s in running]), torch.tensor([s.num_computed for s in running]),
+                        draft, sampler)
         outputs = []
-        for b, seq in enumerate(running):
-            a = int(accepted[b])
-            seq.num_computed += a + 1  # the pending token and the accepted drafts now have KV
-            outputs.append(self._commit(seq, draft.tokens[b].tolist(), draft.logprobs[b].tolist(), a,
-                                        emitted[b, : a + 1].tolist(), hidden[b, : a + 1], logits[b, : a + 1]))
-        self.controller.observe(len(running), k, time.perf_counter() - started, accepted.tolist())
+        for row, seq in enumerate(running):
+            seq.num_computed += int(result.accepted[row]) + 1  # the pending token and the accepted drafts have KV now
+            outputs.append(self._commit(seq, draft, row, result, plan.proposers[row]))
+        seconds = time.perf_counter() - started
+        self.controller.observe_plan(plan, seconds, result.accepted.tolist(), [conf for _, conf in suffix])
+        # What plain decoding would have spent on the same tokens: a plain step of these B rows
+        # yields B tokens (the controller's measured cost of k = 0 at this batch size).
+        emitted = len(running) + int(result.accepted.sum())
+        self.stats.decode_seconds += seconds
+        self.stats.plain_equivalent_seconds += emitted / len(running) * self.controller.costs.step_cost(len(running), 0)
         return outputs
 
-    def _abort_flagged(self) -> list[StepOutput]:
-        outputs = []
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            if seq.aborted and seq.status is not Status.FINISHED:
-                self._finish(seq, "abort")
-                outputs.append(self._output(seq, [], None))
-        return outputs
+    def _suffix_draft(self, seq: Sequence) -> tuple[list[int], list[float]]:
+        """The suffix index's draft after `seq`'s tokens -> (tokens, cumulative confidences)."""
+        if self.suffix is None or self.controller.fixed_k is not None:  # a fixed k drafts with the head only
+            return [], []
+        room = min(seq.remaining_tokens - 1, self.settings.suffix_max_tokens)
+        tokens, confidences = self.suffix.propose(seq.suffix, room, self.settings.suffix_min_confidence) if room > 0 \
+            else ([], [])
+        cumulative, running = [], 1.0
+        for c in confidences:
+            running *= c
+            cumulative.append(running)
+        return tokens, cumulative
+
+    def _draft(self, running: list[Sequence], plan: StepPlan, suffix: list[list[int]], sampler: RowSampler) -> Draft:
+        """The step's drafts as the plan says: the head's for its rows (drafted together), the
+        suffix index's for the others."""
+        if plan.width == 0:
+            return Draft.empty(len(running))
+        head_rows = plan.rows_of(HEAD)
+        head = (self._propose([running[b] for b in head_rows], plan.head_k, sampler.select(head_rows))
+                if head_rows else None)
+        return assemble(plan.width, plan.lengths, head_rows, head, suffix, self.target.cfg.vocab_size,
+                        with_probs=not sampler.all_greedy)
+
+    def _propose(self, running: list[Sequence], k: int, sampler: RowSampler) -> Draft:
+        """The drafter consumes these sequences' pending (feature, token) entries, then drafts k tokens."""
+        lengths = torch.tensor([len(s.draft_pending_tokens) for s in running])
+        width = int(lengths.max())
+        features = torch.zeros(len(running), width, self.target.cfg.hidden_size)
+        tokens = torch.zeros(len(running), width, dtype=torch.long)
+        for b, seq in enumerate(running):
+            features[b, : lengths[b]] = torch.cat(seq.draft_pending_features)
+            tokens[b, : lengths[b]] = torch.tensor(seq.draft_pending_tokens)
+        slots = torch.tensor([s.slot for s in running])
+        start = torch.tensor([s.draft_start for s in running])
+        draft = propose(self.drafter, self.draft_cache, slots, start, features, tokens, lengths, k, sampler,
+                        torch.tensor([s.num_computed + 1 for s in running]))
+        for seq, n in zip(running, lengths.tolist()):
+            seq.draft_start += n
+            seq.draft_pending_features.clear()
+            seq.draft_pending_tokens.clear()
+        return draft
+
+    def _commit(self, seq: Sequence, draft: Draft, row: int, result: Verification, proposer: str) -> StepOutput:
+        """Row `row` of a verify step joins its sequence: record the step, feed the drafter the
+        verified positions, append the visible tokens, stop checks."""
+        accepted = int(result.accepted[row])
+        emitted = result.emitted[row, : accepted + 1].tolist()
+        draft_tokens, draft_logprobs = draft.row(row)
+        position = seq.prompt_len + len(seq.output_ids)
+        seq.segments.add(StepRecord(position, len(draft_tokens), draft_tokens, draft_logprobs, accepted, emitted[-1],
+                                    proposer), emitted, seq.target_version, self.drafter_version)
+        seq.pending_token = emitted[-1]
+        seq.spec.count(len(draft_tokens), accepted)
+        self.stats.count(proposer, len(draft_tokens), accepted)
+        if self.drafter is not None:  # target features at the positions this step consumed
+            seq.draft_pending_features.append(result.hidden[row, : accepted + 1].clone())
+            seq.draft_pending_tokens.extend(emitted)
+        visible, reason = commit_tokens(seq, emitted, self.eos_ids, self.tokenizer, self.drafter_version)
+        if seq.suffix is not None:
+            seq.suffix.extend(visible)
+        self.stats.generated_tokens += len(visible)
+        if reason is not None:
+            self._finish(seq, reason)
+        logprobs = (token_logprobs(result.logits[row, : len(visible)], visible, seq.params.logprobs)
+                    if seq.params.logprobs is not None else None)
+        return self._output(seq, visible, logprobs)
 
     def _prefill(self, seq: Sequence, start: int, end: int) -> StepOutput | None:
         """Run one chunk of the prompt (or of a KV recompute); at the prompt's end, sample the first token."""
@@ -216,45 +251,10 @@ class Engine:
             self._drafter_catch_up(seq)
             return None
         seq.status = Status.DECODE
-        sampler = RowSampler.of([seq.params], [seq.generator])
-        logits = target.logits(hidden[:, -1:])
-        _, emitted = rejection_sample(torch.zeros(1, 0, dtype=torch.long), None, sampler.probs(logits),
-                                      sampler.uniforms(1), sampler.greedy, check_values=False)
-        out = self._commit(seq, [], [], 0, emitted[0].tolist(), hidden[0, :0], logits[0])
+        result = sample_first(target, hidden[:, -1], seq.prompt_len, _sampler([seq]))
+        out = self._commit(seq, Draft.empty(1), 0, result, "")
         self._drafter_catch_up(seq)
         return out
-
-    def _propose(self, running: list[Sequence], k: int, sampler: RowSampler) -> Draft:
-        lengths = torch.tensor([len(s.draft_pending_tokens) for s in running])
-        width = int(lengths.max())
-        features = torch.zeros(len(running), width, self.target.cfg.hidden_size)
-        tokens = torch.zeros(len(running), width, dtype=torch.long)
-        for b, seq in enumerate(running):
-            features[b, : lengths[b]] = torch.cat(seq.draft_pending_features)
-            tokens[b, : lengths[b]] = torch.tensor(seq.draft_pending_tokens)
-        slots = torch.tensor([s.slot for s in running])
-        start = torch.tensor([s.draft_start for s in running])
-        draft = propose(self.drafter, self.draft_cache, slots, start, features, tokens, lengths, k, sampler)
-        for seq, n in zip(running, lengths.tolist()):
-            seq.draft_start += n
-            seq.draft_pending_features.clear()
-            seq.draft_pending_tokens.clear()
-        return draft
-
-    def _verify(self, running: list[Sequence], draft: Draft, sampler: RowSampler, target: Llama):
-        """One target forward over [pending token, d_1..d_k] per sequence, then rejection sampling.
-        -> accepted [B], emitted [B, K+1], target hidden [B, K+1, H], target logits [B, K+1, V]."""
-        tokens = torch.cat([torch.tensor([[s.pending_token] for s in running]), draft.tokens], dim=1)
-        slots = torch.tensor([s.slot for s in running])
-        start = torch.tensor([s.num_computed for s in running])
-        hidden = target(tokens, slots, start, self.cache)
-        logits = target.logits(hidden)
-        k = draft.tokens.shape[1]
-        # The engine made these distributions with softmax from finite weights (checked at load and
-        # swap): the per-step value scan (sum to 1, no NaN) would cost about as much as the sampling.
-        accepted, emitted = rejection_sample(draft.tokens, draft.probs, sampler.probs(logits), sampler.uniforms(k + 1),
-                                             sampler.greedy, check_values=False)
-        return accepted, emitted, hidden, logits
 
     def _drafter_catch_up(self, seq: Sequence) -> None:
         """Let the drafter consume a prefilled prompt now (one sequence, no padding), keeping the
@@ -269,74 +269,19 @@ class Engine:
         del seq.draft_pending_tokens[:n]
         seq.draft_start += n
 
-    # ---- commit and emit -------------------------------------------------------------------
-    def _commit(self, seq: Sequence, draft_tokens: list[int], draft_logprobs: list[float], accepted: int,
-                emitted: list[int], features: torch.Tensor, logits: torch.Tensor) -> StepOutput:
-        """Append one verify step's tokens (accepted drafts + recovered/bonus) and record it.
-        features [a+1, H]: target hidden at the positions consumed; logits [a+1, V]: the target's
-        logits that chose each emitted token."""
-        position = seq.prompt_len + len(seq.output_ids)
-        self._record(seq, StepRecord(position, len(draft_tokens), draft_tokens, draft_logprobs, accepted, emitted[-1]),
-                     emitted)
-        seq.pending_token = emitted[-1]
-        seq.steps, seq.drafted, seq.accepted = seq.steps + 1, seq.drafted + len(draft_tokens), seq.accepted + accepted
-        seq.drafts += bool(draft_tokens)
-        if self.drafter is not None:
-            seq.draft_pending_features.append(features.clone())
-            seq.draft_pending_tokens.extend(emitted)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        visible, reason = self._stop_check(seq, emitted)
-        self.stats.count(len(draft_tokens), accepted, len(visible))
-        versions = [seq.target_version, self.drafter_version]
-        if visible and (not seq.version_runs or seq.version_runs[-1][1:] != versions):
-            seq.version_runs.append([len(seq.output_ids), *versions])
-        seq.output_ids.extend(visible)
-        if reason is None and seq.params.stop and self._stop_string_hit(seq):
-            reason = "stop"
-        if reason is not None:
-            self._finish(seq, reason)
-        logprobs = _logprobs(logits[: len(visible)], visible, seq.params.logprobs) if seq.params.logprobs is not None else None
-        return self._output(seq, visible, logprobs)
-
-    def _stop_check(self, seq: Sequence, emitted: list[int]) -> tuple[list[int], str | None]:
-        """-> the tokens the client sees, and a finish reason if this step ends the request.
-        EOS and stop token ids end it and are not shown; max_tokens cuts the rest."""
-        stops = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_ids)
-        visible = []
-        for token in emitted:
-            if token in stops:
-                return visible, "stop"
-            visible.append(token)
-            if len(seq.output_ids) + len(visible) >= seq.params.max_tokens:
-                return visible, "length"
-        return visible, None
-
-    def _stop_string_hit(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        return any(s in text for s in seq.params.stop)
-
-    def _record(self, seq: Sequence, step: StepRecord, emitted: list[int]) -> None:
-        # A full segment is sent at the next step, not at once: were the step that fills it also
-        # the request's last, `_finish` must still find it to stamp the finish reason.
-        if seq.segment is not None and len(seq.segment.steps) >= SEGMENT_STEPS:
-            self._flush_segment(seq)
-        if seq.segment is None:
-            seq.segment = SegmentRecord(seq.request_id, seq.segment_index, seq.target_version, self.drafter_version,
-                                        prompt_ids=list(seq.prompt_ids) if seq.segment_index == 0 else None)
-        seq.segment.steps.append(step)
-        seq.segment.tokens.extend(emitted)
-
-    def _flush_segment(self, seq: Sequence) -> None:
-        if seq.segment is not None:
-            seq.segment.finish_reason = seq.finish_reason
-            if self.sink is not None:
-                self.sink.emit(seq.segment)
-            seq.segment, seq.segment_index = None, seq.segment_index + 1
+    def _abort_flagged(self) -> list[StepOutput]:
+        outputs = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.aborted and seq.status is not Status.FINISHED:
+                self._finish(seq, "abort")
+                outputs.append(self._output(seq, [], None))
+        return outputs
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        self._flush_segment(seq)
+        seq.segments.close(reason)
+        if self.suffix is not None and self.index_finished:  # this replica's traffic drafts for the next request at once
+            self.suffix.add(seq.request_id, seq.prompt_ids + seq.output_ids)
         self.scheduler.retire(seq)
         self._sequences.pop(seq.request_id, None)
 
@@ -359,7 +304,7 @@ class Engine:
         if swap is not None:
             running = list(self.scheduler.running)
             for seq in running:  # segments carry one version pair: close them at the switch
-                self._flush_segment(seq)
+                seq.segments.close()
             if swap.role == "drafter":
                 self.drafter, self.drafter_version = swap.model, swap.version
                 self.controller.reset()
@@ -371,7 +316,6 @@ class Engine:
                 if swap.mode == "interrupt":
                     for seq in running:
                         self._restart_on(seq, swap.version)
-            self.swaps_done += 1
             swap.done.set_result(SwapResult(swap.role, swap.version, swap.mode, swap.load_ms,
                                             (time.perf_counter() - swap.requested_at) * 1000))
         in_use = {s.target_version for s in self.scheduler.running} | {self.target_version}
@@ -404,45 +348,30 @@ class Engine:
     def completion(self, seq: Sequence) -> Completion:
         return Completion(seq.request_id, seq.prompt_ids, seq.output_ids,
                           self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), seq.finish_reason or "",
-                          seq.steps, seq.drafted, seq.accepted, seq.target_version, self.drafter_version,
-                          seq.version_runs)
+                          seq.spec, seq.target_version, self.drafter_version, seq.version_runs)
 
     @torch.inference_mode()
     def calibrate(self, repeats: int = 2) -> CostModel:
-        """Time target forwards (B, T = 1..K+1) and drafter passes on idle slots: the cost prior."""
+        """Time target forwards (B, T) for the verify widths the proposers can ask for, and drafter
+        passes, on idle slots: the cost prior."""
         costs = CostModel()
+        widest = max(self.settings.max_draft_tokens if self.drafter is not None else 0,
+                     self.settings.suffix_max_tokens if self.suffix is not None else 0)
+        positions = sorted({t for t in CALIBRATED_POSITIONS if t <= widest + 1} | {widest + 1})
         for bsz in sorted({1, self.settings.max_batch}):
             slots, start = torch.arange(bsz), torch.zeros(bsz, dtype=torch.long)
-            for t in range(1, self.settings.max_draft_tokens + 2):
+            for t in positions:
                 tokens = torch.zeros(bsz, t, dtype=torch.long)
                 costs.target[(bsz, t)] = _best_time(lambda: self.target.logits(self.target(tokens, slots, start, self.cache)), repeats)
-            one = torch.zeros(bsz, 1, dtype=torch.long)
-            feats = torch.zeros(bsz, 1, self.target.cfg.hidden_size)
-            costs.draft[bsz] = _best_time(lambda: self.drafter.logits(self.drafter(feats, one, slots, start, self.draft_cache)), repeats)
+            if self.drafter is not None:
+                one = torch.zeros(bsz, 1, dtype=torch.long)
+                feats = torch.zeros(bsz, 1, self.target.cfg.hidden_size)
+                costs.draft[bsz] = _best_time(lambda: self.drafter.logits(self.drafter(feats, one, slots, start, self.draft_cache)), repeats)
         return costs
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, limit: int) -> None:
-    """Raise InvalidRequestError naming the first problem of a request (both backends)."""
-    params.check()
-    if not prompt_ids:
-        raise InvalidRequestError("the prompt is empty", param="prompt")
-    if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-    if len(prompt_ids) >= limit:
-        raise InvalidRequestError(f"the prompt has {len(prompt_ids)} tokens; the context is {limit}", param="prompt")
-    if len(prompt_ids) + params.max_tokens > limit:
-        raise InvalidRequestError(
-            f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the context of {limit}",
-            param="max_tokens")
-
-
-def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """logits [T, V] that chose `tokens` -> per token (its log-prob, the top `top` (id, log-prob))."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
-    values, ids = logp.topk(top, dim=-1) if top > 0 else (logp[:, :0], logp[:, :0].long())
-    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+def _sampler(running: list[Sequence]) -> RowSampler:
+    return RowSampler.of([s.params for s in running], [s.generator for s in running], [s.stream for s in running])
 
 
 def _best_time(fn, repeats: int) -> float:

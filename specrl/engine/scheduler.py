@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specrl.errors import QueueFullError
-from specrl.serving.sequence import Sequence, Status
+from specrl.engine.sequence import Sequence, Status
 
 
 @dataclass

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
-from specrl.telemetry.record import SegmentRecord
+from specrl.telemetry.segments import SegmentWriter
 
 
 class Status(enum.Enum):
@@ -30,7 +30,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator = field(repr=False)
-    arrival: float = field(default_factory=time.monotonic)
+    segments: SegmentWriter = field(repr=False)
     status: Status = Status.WAITING
     slot: int = -1
     num_computed: int = 0
@@ -41,13 +41,9 @@ class Sequence:
     draft_start: int = 0
     draft_pending_features: list[torch.Tensor] = field(default_factory=list, repr=False)
     draft_pending_tokens: list[int] = field(default_factory=list)
-    segment: SegmentRecord | None = None
-    segment_index: int = 0
-    drafts: int = 0  # verify steps that drafted (k > 0)
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0
-    first_token_time: float | None = None
+    spec: SpecCounts = field(default_factory=SpecCounts)  # this request's verify steps
+    suffix: object | None = field(default=None, repr=False)  # its context in the suffix index (prompt + output)
+    stream: torch.Tensor | None = field(default=None, repr=False)  # a seeded request's uniforms by position
     # Weights: the target version this sequence runs on, and runs of versions over its output:
     # [first output index, target version, drafter version] appended whenever either changes.
     target_version: str = ""

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrl.errors import SwapError
+from specrl.weights.store import ROLES
 
-ROLES = ("drafter", "policy")
 MODES = ("drain", "interrupt")
 
 
@@ -45,18 +45,24 @@ class SwapResult:
     swap_ms: float  # from the request reaching the engine to the swap taking effect
 
 
-def load_swap(role: str, version: str, mode: str, directory: Path, serving_target) -> SwapRequest:
-    """Build and check the new model from a verified store directory (worker thread)."""
+def check_swap(role: str, mode: str) -> None:
+    """SwapError naming what is wrong with a swap's role or (policy) mode: the one check, both backends."""
+    if role not in ROLES:
+        raise SwapError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if role == "policy" and mode not in MODES:
+        raise SwapError(f"mode must be one of {', '.join(MODES)} for a policy swap, got {mode!r}")
+
+
+def load_swap(role: str, version: str, mode: str, directory: Path, serving_target, plan=None) -> SwapRequest:
+    """Build and check the new model from a verified store directory (worker thread); `plan`: the
+    serving models' calibration (specrl.models.calibration), which packs the new weights the same way."""
     import torch
     from safetensors import SafetensorError
 
     from specrl.models.drafter import EagleDrafter
     from specrl.models.llama import LlamaConfig, WeightsMismatch, load_llama
 
-    if role not in ROLES:
-        raise SwapError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    if role == "policy" and mode not in MODES:
-        raise SwapError(f"mode must be one of {', '.join(MODES)} for a policy swap, got {mode!r}")
+    check_swap(role, mode)
     started = time.perf_counter()
     try:
         if role == "drafter":
@@ -67,11 +73,13 @@ def load_swap(role: str, version: str, mode: str, directory: Path, serving_targe
             for name, value in model.state_dict().items():
                 if value.is_floating_point() and not torch.isfinite(value).all():
                     raise SwapError(f"drafter {version}: tensor {name} has NaN or inf values")
+            if plan is not None:  # after the check: a prepared drafter's state_dict no longer holds its packed weights
+                model.prepare_inference(plan)
         else:
             new_cfg = LlamaConfig.from_dir(directory)
             if new_cfg != serving_target.cfg:
                 raise SwapError(f"policy {version}: its architecture ({new_cfg}) differs from the serving target's")
-            model = load_llama(directory)
+            model = load_llama(directory, plan=plan)
     except WeightsMismatch as exc:
         raise SwapError(f"{role} {version}: {exc}") from None
     except (OSError, ValueError, SafetensorError) as exc:  # unreadable or truncated safetensors

@@ -1,4 +1,10 @@
-"""Propose: the drafter catches up on verified positions, then drafts k tokens per sequence."""
+"""Propose: the drafts of one verify step, from the learned head and the suffix index.
+
+The head (EAGLE) first catches up on the target features of the positions verified since its
+last turn, then drafts k tokens for each of its rows. The suffix index's drafts are deterministic
+(q is one-hot at the drafted token). `assemble` puts both into one `Draft` padded to the step's
+width, each row with its own length (kernels/verify.py: the padding convention).
+"""
 
 from __future__ import annotations
 
@@ -14,17 +20,49 @@ from specrl.spec.sampling import RowSampler
 
 @dataclass
 class Draft:
-    """tokens [B, K] int64 (target ids); probs [B, K, V] float32 in the target vocabulary, the
-    distributions the tokens were drawn from (None when every row is greedy); logprobs [B, K]
-    float32, log q of each drafted token (temperature 1 for greedy rows)."""
+    """tokens [B, K] int64 (target ids; entries past a row's length are padding); probs [B, K, V]
+    float32 in the target vocabulary, the distributions the tokens were drawn from (None when every
+    row is greedy); logprobs [B, K] float32, log q of each drafted token (temperature 1 for greedy
+    rows; 0 for the suffix index's); lengths [B] int64, each row's draft length (None: all K)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     logprobs: torch.Tensor
+    lengths: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, batch: int) -> "Draft":
         return cls(torch.zeros(batch, 0, dtype=torch.long), None, torch.zeros(batch, 0))
+
+    def row(self, b: int) -> tuple[list[int], list[float]]:
+        """Row b's draft tokens and their log q."""
+        n = self.tokens.shape[1] if self.lengths is None else int(self.lengths[b])
+        return self.tokens[b, :n].tolist(), self.logprobs[b, :n].tolist()
+
+
+def assemble(width: int, lengths: list[int], head_rows: list[int], head: Draft | None,
+             suffix: list[list[int]], vocab_size: int, with_probs: bool) -> Draft:
+    """One step's Draft of B rows padded to `width`: rows in `head_rows` take `head`'s rows (in that
+    order), the others the first lengths[b] tokens of suffix[b]. with_probs: build probs [B, K, V]
+    (some row samples): the head's q, one-hot for suffix tokens."""
+    batch = len(lengths)
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    logprobs = torch.zeros(batch, width)
+    probs = torch.zeros(batch, width, vocab_size) if with_probs and width > 0 else None
+    from_head = {b: i for i, b in enumerate(head_rows)}
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        if b in from_head:
+            i = from_head[b]
+            tokens[b, :n], logprobs[b, :n] = head.tokens[i, :n], head.logprobs[i, :n]
+            if probs is not None and head.probs is not None:
+                probs[b, :n] = head.probs[i, :n]
+        else:
+            tokens[b, :n] = torch.tensor(suffix[b][:n])
+        if probs is not None and (b not in from_head or head.probs is None):  # deterministic drafts
+            probs[b, torch.arange(n), tokens[b, :n]] = 1.0
+    return Draft(tokens, probs, logprobs, torch.tensor(lengths, dtype=torch.long))
 
 
 def catch_up(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: torch.Tensor,
@@ -40,13 +78,15 @@ def catch_up(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: 
 
 def propose(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: torch.Tensor,
             features: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, k: int,
-            sampler: RowSampler) -> Draft:
+            sampler: RowSampler, positions: torch.Tensor) -> Draft:
     """Draft k tokens for each of B sequences.
 
     slots [B] int64; start [B] int64, drafter position of each row's first pending entry;
     features [B, P, H], tokens [B, P]: pending entries (see `catch_up`), lengths [B] how many
-    are real. The catch-up pass yields the first draft; each further draft is one pass over
-    the drafter's own predicted hidden state and the token it just drafted."""
+    are real; positions [B] int64: the sequence position the first draft would fill (a seeded
+    row drafts with the uniforms of the positions it drafts for: specrl.spec.verify). The
+    catch-up pass yields the first draft; each further draft is one pass over the drafter's own
+    predicted hidden state and the token it just drafted."""
     rows = torch.arange(len(slots))
     hidden = catch_up(drafter, cache, slots, start, features, tokens)[rows, lengths - 1]  # [B, H]
     position = start + lengths
@@ -54,7 +94,8 @@ def propose(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: t
     for i in range(k):
         logits = drafter.logits(hidden)  # [B, V_d]
         probs = sampler.probs(logits[:, None])[:, 0]
-        draft_ids = torch.where(sampler.greedy, logits.argmax(-1), inverse_cdf_sample(probs, sampler.uniforms(1)[:, 0]))
+        uniforms = sampler.uniforms(1, positions + i)[:, 0]
+        draft_ids = torch.where(sampler.greedy, logits.argmax(-1), inverse_cdf_sample(probs, uniforms))
         out_logprobs.append(torch.log_softmax(logits, -1)[rows, draft_ids] if sampler.all_greedy
                             else probs[rows, draft_ids].log())
         token = drafter.to_target_ids(draft_ids)

@@ -3,6 +3,12 @@
 temperature == 0 means greedy. Every row draws its randomness from its own generator (seeded
 by the request's `seed`, else by the engine), so one request's draws never depend on which
 other requests share the batch.
+
+A request with a `seed` is reproducible whatever speculation does: its randomness is a stream of
+uniforms indexed by position (`position_uniforms`, drawn once from the seed), and its token at
+position n is always the inverse-CDF draw of the target's distribution with u_n
+(`specrl.spec.verify`: drafts only decide how many of those tokens one step yields). Without a
+seed, a row's uniforms come one after another from its generator.
 """
 
 from __future__ import annotations
@@ -59,20 +65,44 @@ class RowSampler:
     top_p: torch.Tensor
     greedy: torch.Tensor
     generators: list[torch.Generator] = field(repr=False)
+    streams: list[torch.Tensor | None] | None = field(default=None, repr=False)  # per row: uniforms by position
 
     @classmethod
-    def of(cls, params: list[SamplingParams], generators: list[torch.Generator]) -> "RowSampler":
+    def of(cls, params: list[SamplingParams], generators: list[torch.Generator],
+           streams: list[torch.Tensor | None] | None = None) -> "RowSampler":
         return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32),
                    torch.tensor([p.top_p for p in params], dtype=torch.float32),
-                   torch.tensor([p.greedy for p in params]), generators)
+                   torch.tensor([p.greedy for p in params]), generators, streams)
+
+    def select(self, rows: list[int]) -> "RowSampler":
+        """The sampler of a subset of the rows (in that order)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return RowSampler(self.temperature[index], self.top_p[index], self.greedy[index],
+                          [self.generators[b] for b in rows],
+                          None if self.streams is None else [self.streams[b] for b in rows])
 
     @property
     def all_greedy(self) -> bool:
         return bool(self.greedy.all())
 
-    def uniforms(self, n: int) -> torch.Tensor:
-        """-> [B, n] float32 in [0, 1), row b from generator b."""
-        return torch.stack([torch.rand(n, generator=g) for g in self.generators])
+    @property
+    def coupled(self) -> torch.Tensor:
+        """[B] bool: sampled rows with a position-indexed stream (seeded requests)."""
+        seeded = [s is not None for s in self.streams] if self.streams is not None else [False] * len(self.generators)
+        return torch.tensor(seeded, dtype=torch.bool) & ~self.greedy
+
+    def uniforms(self, n: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [B, n] float32 in [0, 1). positions [B] int64: the position of column 0 of each
+        row; a row with a stream reads its uniforms at positions[b] .. positions[b]+n-1, any
+        other row takes the next n from its generator."""
+        rows = []
+        for b, g in enumerate(self.generators):
+            stream = self.streams[b] if self.streams is not None else None
+            if stream is not None and positions is not None:
+                rows.append(stream[int(positions[b]): int(positions[b]) + n])
+            else:
+                rows.append(torch.rand(n, generator=g))
+        return torch.stack(rows)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, T, V] -> probabilities [B, T, V] float32 after temperature and top-p.
@@ -83,6 +113,11 @@ class RowSampler:
         if bool(filtered.any()):  # only those rows: a cumulative sum can round past 1.0
             probs = torch.where(filtered[:, None, None], top_p_filter(probs, self.top_p), probs)
         return probs
+
+
+def position_uniforms(seed: int, length: int) -> torch.Tensor:
+    """A seeded request's randomness: [length] float32 uniforms, entry n for the token at position n."""
+    return torch.rand(length, generator=torch.Generator().manual_seed(seed))
 
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -47,14 +47,14 @@ def strip_content(record: SegmentRecord) -> SegmentRecord:
     """A copy of `record` without content: only ids, versions and counters remain.
 
     Kept: request_id, segment, versions, deployment, replica, finish_reason, schema, and per
-    step position, k and accepted (so `drafted` and `accepted` are unchanged). Emptied:
+    step position, k, accepted and proposer (so `spec_counts()` is unchanged). Emptied:
     prompt_ids -> None, tokens -> [], per step draft_tokens -> [], draft_logprobs -> [],
-    bonus -> STRIPPED_TOKEN (-1). A field added to the record that holds token ids, text,
+    target_token -> STRIPPED_TOKEN (-1). A field added to the record that holds token ids, text,
     log-probs or features must be emptied here too.
     """
     steps = [
         StepRecord(position=s.position, k=s.k, draft_tokens=[], draft_logprobs=[],
-                   accepted=s.accepted, bonus=STRIPPED_TOKEN)
+                   accepted=s.accepted, target_token=STRIPPED_TOKEN, proposer=s.proposer)
         for s in record.steps
     ]
     return dataclasses.replace(record, prompt_ids=None, tokens=[], steps=steps)

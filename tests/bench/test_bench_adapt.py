@@ -8,7 +8,7 @@ import matplotlib.image
 import pytest
 import redis
 
-from specrl.bench.adapt import FIXED_K, PROMPTS, run_adapt_bench
+from specrl.apps.bench.adapt import FIXED_K, PROMPTS, run_adapt_bench
 from specrl.config import Settings
 from specrl.telemetry import events_stream
 
@@ -41,7 +41,7 @@ def test_bench_adapt_tiny(tmp_path, capsys):
         assert finite(plain["tokens_per_s"]) and plain["tokens_per_s"] > 0
         assert finite(online["b1"]["tokens_per_s"]) and finite(online["ratio_b1"])
         assert online["ratio_b1"] == pytest.approx(online["b1"]["tokens_per_s"] / plain["tokens_per_s"])
-        assert 1.0 <= online["acceptance_length_k4"] <= FIXED_K + 1
+        assert 1.0 <= online["mean_acceptance_length_k4"] <= FIXED_K + 1
         assert 0.0 <= online["b1"]["same_output"] <= 1.0
     for c in (start, end):  # batch 4 at the first and last checkpoint
         assert finite(c["drafters"]["online"]["ratio_b4"]) and finite(c["plain"]["b4"]["tokens_per_s"])

@@ -2,9 +2,9 @@
 
 import pytest
 
-from specrl.bench import backends
-from specrl.bench.backends import bench_threads, parse_backends, ratio, vllm_env
-from specrl.cli import main
+from specrl.apps.bench import backends
+from specrl.apps.bench.backends import bench_threads, parse_backends, ratio, vllm_env
+from specrl.apps.cli import main
 from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.serving.vllm import SUPPORTED_VERSION
 

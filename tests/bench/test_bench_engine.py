@@ -5,7 +5,8 @@ import json
 import matplotlib.image
 import pytest
 
-from specrl.bench.engine import HF, NATIVE_PLAIN, NATIVE_SPEC, run_engine_bench
+from specrl.apps.bench.engine import (CURVE_BATCHES, CURVE_POSITIONS, HF, NATIVE_PLAIN, NATIVE_SPEC, RSS_HEADROOM,
+                                      run_engine_bench)
 from specrl.config import Settings
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +32,7 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
             assert row["decode_tokens_per_s"] is None or row["decode_tokens_per_s"] > 0
     for b in (1, 2):
         spec = rows[NATIVE_SPEC, b]
-        assert spec["acceptance_length"] >= 1.0 and 0.0 <= spec["accepted_fraction"] <= 1.0
+        assert spec["tokens_per_step"] >= 1.0 and 0.0 <= spec["acceptance_rate"] <= 1.0
         ratio = report["ratios"][str(b)]
         assert ratio["native_plain_over_hf"] == pytest.approx(
             rows[NATIVE_PLAIN, b]["tokens_per_s"] / rows[HF, b]["tokens_per_s"])
@@ -44,8 +45,15 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
         bandwidth["read_gb_s"] * 1e9 / bandwidth["weight_bytes_per_forward"])
     assert set(bandwidth["achieved_over_bound_batch1"]) == {NATIVE_PLAIN, NATIVE_SPEC, HF}
     assert memory["peak_rss_bytes"] > 0 and memory["model_bytes"] > 0
-    assert memory["limit_bytes"] == 2 * memory["model_bytes"] + memory["kv_cache_bytes_total"]
+    assert memory["limit_bytes"] == int((memory["model_bytes"] + memory["kv_cache_bytes_total"]) * RSS_HEADROOM)
     assert result["ratios"] == report["ratios"]
+    assert report["cpu"]["model"] and isinstance(report["cpu"]["flags"], list)
+    curve = report["forward_curve"]
+    assert {(r["batch"], r["tokens"]) for r in curve["rows"]} == {(b, t) for b in CURVE_BATCHES for t in CURVE_POSITIONS}
+    assert all(r["median_ms"] >= r["min_ms"] > 0 and r["dtype"] == "float32" for r in curve["rows"])
+    ms = {(r["batch"], r["tokens"]): r["median_ms"] for r in curve["rows"]}
+    assert curve["ratios"]["float32"]["b1_t5_over_b1_t1"] == pytest.approx(ms[1, 5] / ms[1, 1])
+    assert (tmp_path / "forward-curve.png").read_bytes()[:8] == PNG_SIGNATURE
 
     png = tmp_path / "bench-engine.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE
@@ -56,8 +64,8 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
 
 
 def test_ratios_vllm_over_native_only_where_both_ran():
-    from specrl.bench.engine import engine_ratios
-    from specrl.bench.vllm_engine import VLLM_PLAIN, VLLM_SPEC
+    from specrl.apps.bench.engine import engine_ratios
+    from specrl.apps.bench.vllm_engine import VLLM_PLAIN, VLLM_SPEC
 
     def row(engine, b, tps, ttft):
         return {"engine": engine, "batch_size": b, "tokens_per_s": tps, "decode_tokens_per_s": 2 * tps, "ttft_ms": ttft}
@@ -76,7 +84,7 @@ def test_ratios_vllm_over_native_only_where_both_ran():
 def test_vllm_child_failure_names_its_log(tmp_path, capsys):
     import sys
 
-    from specrl.bench.vllm_engine import _run_child
+    from specrl.apps.bench.vllm_engine import _run_child
     from specrl.errors import SpecrlError
 
     log = tmp_path / "child.log"

@@ -3,9 +3,10 @@ the per-scenario extras, the /metrics reader."""
 
 import pytest
 
-from specrl.bench.serve import CROSS_METRICS, _loadtest, metric, prometheus_value, scenario_extras, serve_ratios
+from specrl.apps.bench.serve import CROSS_METRICS, metric, prometheus_value, scenario_extras, serve_ratios
+from specrl.loadtest.report import percentile
 
-_percentile = _loadtest("report").percentile
+_percentile = percentile
 
 
 def row(backend, scenario, speed, itl_p99, events_per_s=None, swap_ms=None):
@@ -67,7 +68,7 @@ def test_events_since_counts_records_and_their_steps():
 
     import redis
 
-    from specrl.bench.serve import _Server
+    from specrl.apps.bench.serve import _Server
     from specrl.telemetry.record import SegmentRecord, StepRecord
     from specrl.telemetry.redis_sink import RECORD_FIELD
 

@@ -8,7 +8,7 @@ import sys
 
 def _specrl(home, *args):
     env = {**os.environ, "SPECRL_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "specrl.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "specrl.apps.cli", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from specrl.errors import InvalidRequestError, ModelNotFoundError, QueueFullError
 from specrl.serving.engine_loop import EngineLoop
-from specrl.serving.sequence import Status
+from specrl.engine.sequence import Status
 from specrl.spec.sampling import SamplingParams
 from tests.engine.conftest import chat_prompts
 
@@ -113,7 +113,7 @@ def test_abort_frees_the_slot(make_engine, tokenizer):
 
 def test_records_cover_every_committed_token(make_engine, tokenizer):
     """Every request's segment records, concatenated, hold its prompt and exactly the tokens it
-    committed; every step obeys tokens = drafts[:accepted] + [bonus]; segments hold <= 64 steps."""
+    committed; every step obeys tokens = drafts[:accepted] + [target_token]; segments hold <= 64 steps."""
     engine = make_engine(fixed_draft_tokens=3, max_batch=3)
     prompts = chat_prompts(tokenizer, 4)
     done = engine.generate(prompts, SamplingParams(max_tokens=150, temperature=0.7, seed=1, ignore_eos=True))
@@ -134,12 +134,12 @@ def test_records_cover_every_committed_token(make_engine, tokenizer):
                 assert step.position == position + len(step_tokens)
                 assert len(step.draft_tokens) == len(step.draft_logprobs) == step.k
                 assert all(lp <= 0 for lp in step.draft_logprobs)
-                step_tokens += step.draft_tokens[: step.accepted] + [step.bonus]
+                step_tokens += step.draft_tokens[: step.accepted] + [step.target_token]
             assert step_tokens == record.tokens
             tokens += record.tokens
             position += len(record.tokens)
         assert tokens[: len(completion.output_ids)] == completion.output_ids
-        assert sum(r.accepted for r in records) == completion.accepted
+        assert sum(r.spec_counts().num_accepted_tokens for r in records) == completion.spec.num_accepted_tokens
 
 
 @pytest.mark.parametrize("extra", [-1, 0, 1])

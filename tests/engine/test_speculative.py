@@ -10,6 +10,17 @@ from tests.engine.conftest import chat_prompts
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
+def assert_same_distribution(spec: list[list[int]], plain: list[list[int]]) -> None:
+    """Two-sample chi-square over the token prefixes seen at least 10 times; reject at p < 1e-3."""
+    pairs_spec, pairs_plain = [tuple(x) for x in spec], [tuple(x) for x in plain]
+    support = sorted(set(pairs_spec) | set(pairs_plain))
+    common = [p for p in support if pairs_spec.count(p) + pairs_plain.count(p) >= 10]
+    table = [[pairs_spec.count(p) for p in common], [pairs_plain.count(p) for p in common]]
+    assert len(common) >= 3
+    _, p_value, _, _ = chi2_contingency(table)
+    assert p_value > 1e-3, (p_value, table)
+
+
 @pytest.mark.parametrize("fixed_k", [1, 3, -1])  # -1: the adaptive controller
 def test_greedy_speculation_equals_plain_greedy_tiny(make_engine, tokenizer, fixed_k):
     prompts = chat_prompts(tokenizer, 10)
@@ -18,7 +29,7 @@ def test_greedy_speculation_equals_plain_greedy_tiny(make_engine, tokenizer, fix
     spec = spec_engine.generate(prompts, GREEDY)
     assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
     if fixed_k > 0:  # the speculative path really ran, and accepted some drafts
-        assert sum(c.drafted for c in spec) > 0 and sum(c.accepted for c in spec) > 0
+        assert sum(c.spec.num_draft_tokens for c in spec) > 0 and sum(c.spec.num_accepted_tokens for c in spec) > 0
 
 
 @pytest.mark.slow
@@ -28,7 +39,7 @@ def test_greedy_speculation_equals_plain_greedy_smollm2(make_engine, tokenizer):
     plain = make_engine(model="smollm2-135m", drafter="none", max_batch=4).generate(prompts, params)
     spec = make_engine(model="smollm2-135m", max_batch=4, fixed_draft_tokens=4).generate(prompts, params)
     assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
-    assert sum(c.drafted for c in spec) > 0
+    assert sum(c.spec.num_draft_tokens for c in spec) > 0
 
 
 def test_sampled_tokens_follow_the_target_distribution(make_engine, tokenizer):
@@ -41,13 +52,65 @@ def test_sampled_tokens_follow_the_target_distribution(make_engine, tokenizer):
     spec_engine = make_engine(max_batch=8, fixed_draft_tokens=1)
     spec = spec_engine.generate([prompt] * n, params)
     plain = make_engine(drafter="none", max_batch=8).generate([prompt] * n, [p.__class__(**{**p.__dict__, "seed": p.seed + n}) for p in params])
-    accepted = sum(c.accepted for c in spec)
-    assert 0 < accepted < sum(c.drafted for c in spec), "both accept and reject paths must be exercised"
-    pairs_spec = [tuple(c.output_ids[:2]) for c in spec]
-    pairs_plain = [tuple(c.output_ids[:2]) for c in plain]
-    support = sorted(set(pairs_spec) | set(pairs_plain))
-    common = [p for p in support if pairs_spec.count(p) + pairs_plain.count(p) >= 10]
-    table = [[pairs_spec.count(p) for p in common], [pairs_plain.count(p) for p in common]]
-    assert len(common) >= 3
-    _, p_value, _, _ = chi2_contingency(table)
-    assert p_value > 1e-3, (p_value, table)
+    accepted = sum(c.spec.num_accepted_tokens for c in spec)
+    assert 0 < accepted < sum(c.spec.num_draft_tokens for c in spec), "both accept and reject paths must be exercised"
+    assert_same_distribution([c.output_ids[:2] for c in spec], [c.output_ids[:2] for c in plain])
+
+
+@pytest.mark.parametrize("drafter", ["none", "day0"])  # the suffix index alone, and beside the head
+def test_greedy_with_the_suffix_index_equals_plain_greedy(make_engine, tokenizer, drafter):
+    prompts = chat_prompts(tokenizer, 6) * 2  # the second round finds the first in the index
+    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=4).generate(prompts, GREEDY)
+    engine = make_engine(drafter=drafter, max_batch=4, max_draft_tokens=4)
+    spec = engine.generate(prompts, GREEDY)
+    assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+    suffix = engine.stats.by_proposer["suffix"]
+    assert suffix.num_accepted_tokens > 0  # the suffix path really ran and paid
+    assert max(len(r.steps) for r in engine.sink.records) >= 1
+    steps = [s for r in engine.sink.records for s in r.steps]
+    assert {s.proposer for s in steps if s.k} <= {"head", "suffix"} and any(s.proposer == "suffix" for s in steps)
+    assert all(s.proposer == "" for s in steps if s.k == 0)
+
+
+@pytest.mark.parametrize("seeded", [False, True])  # rejection sampling with q one-hot; the coupled rule
+def test_sampled_tokens_follow_the_target_distribution_with_suffix_drafts(make_engine, tokenizer, seeded):
+    """Suffix drafts are deterministic (q one-hot at the drafted token): the verified tokens still
+    follow the target, under both acceptance rules (specrl/spec/verify.py). The same prompt sampled
+    many times (a GRPO group) is where the index drafts the most frequent earlier continuation.
+    Two-sample chi-square over the first two tokens, reject at p < 1e-3."""
+    [prompt] = chat_prompts(tokenizer, 1)
+    n = 1500
+
+    def params(offset: int) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=3, temperature=0.5, top_p=0.05, seed=offset + i if seeded else None,
+                               ignore_eos=True) for i in range(n)]
+
+    engine = make_engine(drafter="none", max_batch=8, seed=1)
+    spec = engine.generate([prompt] * n, params(0))
+    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=8, seed=2).generate([prompt] * n, params(n))
+    suffix = engine.stats.by_proposer["suffix"]
+    assert 0 < suffix.num_accepted_tokens < suffix.num_draft_tokens, "both accept and reject paths must be exercised"
+    assert_same_distribution([c.output_ids[:2] for c in spec], [c.output_ids[:2] for c in plain])
+
+
+def test_a_seed_reproduces_the_same_text_whatever_speculation_does(make_engine, tokenizer):
+    """Seeded sampling: the random number of the token at position n depends on (seed, n) only, so
+    plain decoding, the head at any k, the suffix index and the adaptive controller all give the
+    same tokens; a different seed gives other tokens."""
+    prompts = chat_prompts(tokenizer, 4) * 2
+    params = [SamplingParams(max_tokens=20, temperature=0.7, top_p=0.5, seed=100 + i % 4, ignore_eos=True)
+              for i in range(8)]
+    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=4).generate(prompts, params)
+    assert [c.output_ids for c in plain[:4]] == [c.output_ids for c in plain[4:]]  # the same seed, the same text
+    engines = {"head k=1": make_engine(max_batch=4, fixed_draft_tokens=1, suffix_capacity=0),
+               "head k=3": make_engine(max_batch=4, fixed_draft_tokens=3, suffix_capacity=0),
+               "suffix": make_engine(drafter="none", max_batch=4),
+               "adaptive": make_engine(max_batch=4)}
+    for name, engine in engines.items():
+        out = engine.generate(prompts, params)
+        assert [c.output_ids for c in out] == [c.output_ids for c in plain], name
+        assert engine.stats.spec.num_draft_tokens > 0, name  # the speculative path ran, and the text did not move
+    assert engines["suffix"].stats.spec.num_accepted_tokens > 0
+    other = make_engine(drafter="none", suffix_capacity=0).generate(prompts[:1], [params[0].__class__(
+        **{**params[0].__dict__, "seed": 999})])
+    assert other[0].output_ids != plain[0].output_ids

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from specrl.models.drafter import EagleDrafter
 from specrl.errors import SwapError, SwapInProgressError
-from specrl.serving.swap import load_swap
+from specrl.engine.swap import load_swap
 from specrl.spec.sampling import SamplingParams
 from tests.engine.conftest import chat_prompts
 

@@ -1,7 +1,7 @@
 """Kernel tests: shared cases, and the Triton kernels run through Triton's interpreter on CPU.
 
-Without a CUDA device the Triton kernels can only run interpreted (FACTS.md, "Triton without a
-GPU"), and triton decides that when a @triton.jit function is decorated, i.e. when a kernel
+Without a CUDA device the Triton kernels can only run interpreted (launching one fails with
+"0 active drivers" unless TRITON_INTERPRET=1), and triton decides that when a @triton.jit function is decorated, i.e. when a kernel
 module is imported. So TRITON_INTERPRET=1 is set here, when pytest loads this file during
 collection, before any test runs; nothing in specrl imports a kernel module on CPU tensors, and
 the `triton_kernels` fixture re-imports one that was somehow imported before. On a machine with

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specrl.bench.kernels import run_kernel_bench
+from specrl.apps.bench.kernels import run_kernel_bench
 from specrl.config import Settings
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

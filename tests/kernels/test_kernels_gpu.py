@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.bench.kernels import loss_inputs, verify_inputs
+from specrl.apps.bench.kernels import loss_inputs, verify_inputs
 from specrl.kernels import fused_drafter_loss, rejection_sample, rejection_sample_torch
 from specrl.kernels import drafter_loss as twin
 from tests.kernels.conftest import accept_probs, accepted_law, assert_follows, make_case, trial_inputs

@@ -1,6 +1,6 @@
 """Hot swaps under load: locust (its own process) drives a live server of each backend while a
 thread swaps the drafter and the policy (drain and interrupt) every 2 s. No request may fail,
-every response's versions must fit the swap log (loadtest/report.py explains how), and every
+every response's versions must fit the swap log (specrl/loadtest/report.py explains how), and every
 request must have left its records in Redis."""
 
 import os
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from loadtest.report import locust_aggregated, read_jsonl, serving_periods, version_problems
-from loadtest.swap_driver import prepare_versions, run_swaps
+from specrl.apps.bench.swap_versions import prepare_versions
+from specrl.loadtest.report import locust_aggregated, read_jsonl, serving_periods, version_problems
+from specrl.loadtest.swap_driver import run_swaps
 from specrl.telemetry import RECORD_FIELD, SegmentRecord
 from tests.backends import ADMIN_TOKEN, REDIS_URL
 

@@ -126,8 +126,8 @@ def test_every_request_leaves_records_in_redis(live, client, model):
     assert sum(len(x.tokens) for x in records) >= 70
     steps = [s for x in records for s in x.steps]
     assert any(s.k > 0 for s in steps) and all(len(s.draft_tokens) == s.k and 0 <= s.accepted <= s.k for s in steps)
-    for x in records:  # the record invariant: committed tokens = accepted drafts + bonus, step by step
-        assert [t for s in x.steps for t in s.draft_tokens[: s.accepted] + [s.bonus]] == x.tokens
+    for x in records:  # the record invariant: committed tokens = accepted drafts + the target's token, step by step
+        assert [t for s in x.steps for t in s.draft_tokens[: s.accepted] + [s.target_token]] == x.tokens
 
 
 def test_metrics_use_vllm_names(live, client, model):

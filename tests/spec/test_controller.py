@@ -1,4 +1,4 @@
-"""Draft-length controller (specrl/spec/controller.py) with FACTS.md-shaped costs: a target forward
+"""Draft-length controller (specrl/spec/controller.py) with measured-shape costs: a target forward
 over T positions at B=1 costs 1.0 for T=1 and 1.6-2.0 for T=2..5; one drafter pass costs 0.1."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.spec.controller import CostModel, SpeculationController, expected_tokens
+from specrl.spec.controller import HEAD, NONE, SUFFIX, CostModel, RowOffer, SpeculationController, expected_tokens
 
 TARGET_B1 = {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.8, 5: 2.0}
 DRAFT_B1 = 0.1
@@ -195,3 +195,67 @@ def test_fixed_k_overrides_the_choice():
     assert ctl.choose(0, 10) == 0
     off = SpeculationController(4, facts_costs(), fixed_k=0, probe_every=2)
     assert _simulate(off, 10) == [0] * 10  # no probes either
+
+
+# ---- plan: the suffix index beside the head ----------------------------------------------------
+
+WIDE = {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2, 9: 1.6, 17: 2.4}  # a flat small-M cost curve
+
+
+def wide_costs(batch: int = 1) -> CostModel:
+    return CostModel(target={(batch, t): c for t, c in WIDE.items()}, draft={batch: 0.1})
+
+
+def test_a_confident_suffix_draft_is_taken_whole():
+    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
+    plan = ctl.plan([RowOffer(20, [0.95] * 8)], head=True)
+    assert (plan.width, plan.head_k, plan.lengths, plan.proposers) == (8, 0, [8], [SUFFIX])
+
+
+def test_an_unconfident_suffix_draft_is_cut_or_dropped():
+    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
+    assert ctl.plan([RowOffer(20, [0.9, 0.5, 0.05, 0.01])], head=True).lengths[0] in (1, 2)
+    assert ctl.plan([RowOffer(20, [0.01, 0.001])], head=True).proposers == [NONE]
+
+
+def test_each_row_takes_the_better_proposer():
+    """Row 0 has a confident suffix draft; row 1 has none, and the head accepts well."""
+    ctl = SpeculationController(4, wide_costs(2), initial_accept_rate=0.8, probe_every=10 ** 6)
+    plan = ctl.plan([RowOffer(20, [0.99] * 6), RowOffer(20, [])], head=True)
+    assert plan.proposers == [SUFFIX, HEAD]
+    assert plan.lengths[0] == plan.width >= plan.lengths[1] == plan.head_k > 0
+    assert plan.rows_of(HEAD) == [1] and plan.rows_of(SUFFIX) == [0]
+
+
+def test_room_caps_suffix_drafts():
+    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
+    assert ctl.plan([RowOffer(3, [0.99] * 10)], head=False).lengths == [3]
+    assert ctl.plan([RowOffer(0, [0.99] * 10)], head=False).proposers == [NONE]
+
+
+def test_without_a_head_only_the_suffix_or_nothing_drafts():
+    ctl = SpeculationController(0, wide_costs(), initial_accept_rate=0.9, probe_every=2)
+    for _ in range(5):  # no probes without a head
+        plan = ctl.plan([RowOffer(20, [])], head=False)
+        assert plan.proposers == [NONE] and plan.width == 0
+        ctl.observe_plan(plan, 1.0, [0], [[]])
+
+
+def test_suffix_calibration_follows_live_acceptance():
+    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=4, max_probe_every=64, decay=0.5)
+    offer = [RowOffer(20, [0.9] * 8)]
+    assert ctl.plan(offer, head=False).lengths == [8]
+    for _ in range(20):  # confident drafts that are always rejected at once
+        plan = ctl.plan(offer, head=False)
+        ctl.observe_plan(plan, WIDE[plan.width + 1] if plan.width + 1 in WIDE else 1.5, [0], [offer[0].suffix])
+    assert ctl.suffix_calibration < 0.1
+    plans = []
+    for _ in range(200):  # rejected probes back off: one token, ever more rarely
+        plan = ctl.plan(offer, head=False)
+        plans.append(plan.lengths[0])
+        ctl.observe_plan(plan, 1.0, [0], [offer[0].suffix])
+    assert set(plans) == {0, 1} and sum(plans) <= 8 and ctl.suffix_probe_every == ctl.max_probe_every
+    for _ in range(400):  # then the index's drafts start to be accepted: a probe pays, drafting comes back
+        plan = ctl.plan(offer, head=False)
+        ctl.observe_plan(plan, 1.0, [plan.lengths[0]], [offer[0].suffix])
+    assert ctl.plan(offer, head=False).lengths == [8]

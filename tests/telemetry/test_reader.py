@@ -25,7 +25,7 @@ def make_record(i: int) -> SegmentRecord:
         request_id=f"req-{i}", segment=0, target_version="t1", drafter_version="d1",
         prompt_ids=[1, 2, i], tokens=[7, 8],
         steps=[StepRecord(position=3, k=2, draft_tokens=[7, 9], draft_logprobs=[-0.2, -1.5],
-                          accepted=1, bonus=8)])
+                          accepted=1, target_token=8)])
 
 
 @pytest.fixture

@@ -25,9 +25,9 @@ def make_record(i: int) -> SegmentRecord:
         request_id=f"req-{i}", segment=i % 3, target_version="t1", drafter_version="d7",
         prompt_ids=[1, 2, 3, i], tokens=[10 + i, 11, 12, 13, 14],
         steps=[StepRecord(position=4, k=3, draft_tokens=[10 + i, 11, 99],
-                          draft_logprobs=[-0.1, -0.5, -2.0], accepted=2, bonus=12),
-               StepRecord(position=7, k=0, draft_tokens=[], draft_logprobs=[], accepted=0, bonus=13),
-               StepRecord(position=8, k=1, draft_tokens=[14], draft_logprobs=[-0.25], accepted=1, bonus=15)],
+                          draft_logprobs=[-0.1, -0.5, -2.0], accepted=2, target_token=12),
+               StepRecord(position=7, k=0, draft_tokens=[], draft_logprobs=[], accepted=0, target_token=13),
+               StepRecord(position=8, k=1, draft_tokens=[14], draft_logprobs=[-0.25], accepted=1, target_token=15)],
         finish_reason="stop" if i % 2 else None)
 
 
@@ -88,8 +88,8 @@ def test_strip_content_keeps_ids_versions_and_counters():
             stripped.finish_reason) == ("req-5", 2, "t1", "d7", "stop")
     assert stripped.prompt_ids is None and stripped.tokens == []
     assert [(s.position, s.k, s.accepted) for s in stripped.steps] == [(4, 3, 2), (7, 0, 0), (8, 1, 1)]
-    assert all(s.draft_tokens == [] and s.draft_logprobs == [] and s.bonus == -1 for s in stripped.steps)
-    assert (stripped.drafted, stripped.accepted) == (record.drafted, record.accepted)
+    assert all(s.draft_tokens == [] and s.draft_logprobs == [] and s.target_token == -1 for s in stripped.steps)
+    assert stripped.spec_counts() == record.spec_counts()
     assert record.tokens == [15, 11, 12, 13, 14]  # the original is untouched
 
 
@@ -146,7 +146,7 @@ def test_content_off_sends_counters_only(prefix):
     got = read_all(REDIS_URL, stream, 3)
     assert got == [strip_content(r) for r in records]
     assert all(r.prompt_ids is None and r.tokens == [] for r in got)
-    assert [r.accepted for r in got] == [r.accepted for r in records]
+    assert [r.spec_counts() for r in got] == [r.spec_counts() for r in records]
 
 
 @pytest.mark.redis

@@ -34,6 +34,10 @@ def test_rejected_drafts_map_to_the_position_that_predicted_them():
     example = book.add(seg(0, [10, 20, 30], steps=steps, prompt=[1, 2, 3]))
     assert example.rejected == [(3, 21)]  # drafter position 3 predicts position 5
     assert example.steps[1] == (4, [20, 21, 22], 1)
+    # the suffix index's drafts are not the head's: neither its steps nor its rejections are kept
+    suffix_step = StepRecord(4, 3, [20, 21, 22], [0.0, 0.0, 0.0], 1, 30, proposer="suffix")
+    other = book.add(seg(0, [10, 20, 30], steps=[steps[0], suffix_step], prompt=[1, 2, 3], rid="r2"))
+    assert other.rejected == [] and len(other.steps) == 1
 
 
 def test_segment_zero_without_prompt_is_an_error():

@@ -8,9 +8,9 @@ import redis
 
 from specrl.config import Settings
 from specrl.errors import SpecrlError
-from specrl.launch import free_port
+from specrl.apps.launch import free_port
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
-from specrl.trainer.rl import policy_state_path, run_rl
+from specrl.apps.rl import policy_state_path, run_rl
 from specrl.weights import WeightsStore
 from tests.serving.conftest import REDIS_URL
 

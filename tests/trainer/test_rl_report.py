@@ -2,7 +2,7 @@
 
 import pytest
 
-from specrl.trainer.rl_report import acceptance_recovery, recovery_summary, summary_lines, write_report
+from specrl.apps.rl_report import acceptance_recovery, recovery_summary, summary_lines, write_report
 
 
 def _samples(*intervals, first: str = "v0"):

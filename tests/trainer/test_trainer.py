@@ -9,7 +9,7 @@ import redis
 import torch
 
 from specrl.config import Settings
-from specrl.serving.engine import Engine
+from specrl.engine.engine import Engine
 from specrl.spec.sampling import SamplingParams
 from specrl.telemetry import RecordReader, RedisSink, SegmentRecord, StepRecord, events_stream
 from specrl.trainer.drafter_trainer import DrafterTrainer
@@ -170,7 +170,7 @@ def test_trainer_survives_a_redis_restart(home, tmp_path, tiny_dir, tokenizer):
     import threading
     import time
 
-    from specrl.launch import free_port
+    from specrl.apps.launch import free_port
 
     port = free_port()
     start = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]

@@ -24,7 +24,7 @@ The server and the trainer run with half the cores' torch threads each, and so d
 measurements (or `--threads`): more threads than free cores is many times slower on this CPU
 when anything else runs, and ratios need the same threads on both sides, not all the cores.
 
-Trainer throughput: records trained (trainer log, `event=evaluate ... records=N`, the last one)
+Trainer throughput: records trained (the trainer's event file, the last `evaluate` event's `records`)
 per traffic second; stream records produced and delivered to the trainer per traffic second.
 
 Lag from a request's completion to a published drafter that learned from it: a record's arrival
@@ -32,7 +32,7 @@ is its stream entry id (the Redis clock, ms; a request's last segment is written
 completes). The bench polls the trainer group's last-delivered id every POLL_S seconds; a
 record counts as trained at the first poll that shows it delivered (the trainer trains on what
 it reads in the same iteration, before it evaluates), and its lag is the traffic-clock time to
-the first publish (`event=publish` in the trainer log; the manifest's `created` is kept beside
+the first publish (`publish` events in the trainer's event file; the manifest's `created` is kept beside
 it) after that poll. Held-out records (~10%, never trained) count as trained; a publish that
 came less than POLL_S after a read can be missed (lag then overstated by one publish interval).
 
@@ -43,6 +43,7 @@ copy, measured beside the online one at the end (tokens/s online / frozen).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -59,22 +60,42 @@ from pathlib import Path
 
 import torch
 
-from specrl.bench import adapt_report
+from specrl.apps.bench import adapt_report
+from specrl.apps.bench.adapt_meter import FIXED_K, NEW_TOKENS, Meter
+from specrl.apps.flags import COMMON, add_settings, settings_from
+from specrl.apps.traffic import Traffic
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError, SpecrlError
-from specrl.traffic import Traffic
-from specrl.trainer.drafter_log import trainer_events
+from specrl.telemetry.event_log import read_events
+from specrl.telemetry.fleet import FleetFeed
 
 MIX = {"chat": 1, "code": 1, "math": 1, "structured": 1}
 SHIFT = ("chat", "code")
 MEASURE_EVERY_MIN = 3.0
 PROMPTS = 8
-NEW_TOKENS = 48
 TRAFFIC_TOKENS = 64
-FIXED_K = 4
 POLL_S = 0.5
 SERVED_EVERY_S = 5.0
 CHILD_THREADS = max(1, (os.cpu_count() or 2) // 2)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("adapt", help="day-0 drafter learning on live traffic: acceptance and speed over time, "
+                                     "domain shift, objectives")
+    p.add_argument("--minutes", type=float, default=10.0, help="minutes of traffic per run")
+    p.add_argument("--objectives", default="kl", help="comma-separated: kl,kl_neg,pg (one run each)")
+    p.add_argument("--shift", action="store_true", help="also run the domain-shift experiment")
+    p.add_argument("--users", type=int, default=4)
+    p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-adapt-<time>)")
+    add_settings(p, *COMMON, "model", "draft_vocab_size", "redis_url")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    objectives = [o for o in args.objectives.split(",") if o]
+    run_adapt_bench(settings_from(args).with_env_redis(), minutes=args.minutes, objectives=objectives,
+                    shift=args.shift, users=args.users, out_dir=args.out)
+    return 0
 
 
 def run_adapt_bench(settings: Settings, minutes: float, objectives: list[str], shift: bool, users: int,
@@ -106,7 +127,7 @@ def run_adapt_bench(settings: Settings, minutes: float, objectives: list[str], s
 
 def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: bool, users: int, meter: "Meter",
              out: Path) -> dict:
-    from specrl.up import Redis
+    from specrl.apps.redis_server import RedisServer
 
     n = max(1, round(minutes / MEASURE_EVERY_MIN))
     day0 = [Phase(MIX, minutes * 60 / n)] * n
@@ -116,14 +137,14 @@ def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: b
         phases = [Phase({SHIFT[0]: 1}, minutes * 30 / half)] * half + [Phase({SHIFT[1]: 1}, minutes * 30 / half)] * half
         runs.append(RunSpec(f"shift-{objectives[0]}", objectives[0], phases, _heldout({SHIFT[1]: 1}, settings.seed),
                             frozen_after=half))
-    redis = Redis(settings.redis_url)
+    redis = RedisServer(settings.redis_url)
     try:
         reports = [Run(spec, settings, redis.url, meter, out / spec.name, users, minutes).execute() for spec in runs]
     finally:
         redis.stop()
     measurement = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "fixed_k": FIXED_K, "traffic_tokens": TRAFFIC_TOKENS,
                    "measure_every_min": MEASURE_EVERY_MIN, "mix": MIX, "shift_domains": SHIFT,
-                   "acceptance_length": "1 + accepted / drafting steps (tokens per verify step, bonus included)",
+                   "mean_acceptance_length": "1 + accepted / drafting steps (specrl.spec.quantities)",
                    "interference": "traffic drained and the trainer SIGSTOPped during every measurement; "
                                    "times are on the traffic clock (pauses excluded)"}
     return adapt_report.build_result(settings, minutes, objectives, shift, users, reports, bool(settings.redis_url),
@@ -159,143 +180,6 @@ def _heldout(weights: dict, seed: int) -> list:
 
 
 # ---- measuring in this process ---------------------------------------------------------------
-class Meter:
-    """The native engine over one target: plain, adaptive k (one engine per drafter measured side
-    by side) and fixed k = FIXED_K; drafters are swapped in at a step boundary, as the server does."""
-
-    def __init__(self, settings: Settings):
-        from specrl.bench.engine import native_engines
-
-        self.settings = settings.replace(drafter="day0", max_batch=4, max_seq_len=1024)
-        self.plain, spec = native_engines(self.settings)
-        self.target, self.tokenizer, self.day0 = spec.target, spec.tokenizer, spec.drafter
-        self.adaptive = [spec]
-        self.fixed = self._engine(fixed_draft_tokens=FIXED_K)
-        self.warm = False
-
-    def _engine(self, **changes):
-        from specrl.serving.engine import Engine
-
-        return Engine(self.target, self.tokenizer, self.settings.replace(**changes), drafter=self.day0)
-
-    def encode(self, prompts: list) -> list[list[int]]:
-        from specrl.data import as_messages
-
-        return [list(self.tokenizer.apply_chat_template(as_messages(p), add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)) for p in prompts]
-
-    def drafter(self, store, version: str | None):
-        """-> (version, drafter): a store version (verified), or the day-0 head for None."""
-        from specrl.models.drafter import EagleDrafter
-
-        if version is None:
-            return "day0", self.day0
-        return version, EagleDrafter.load(store.verify("drafter", version), self.target).eval()
-
-    def measure(self, drafters: dict, prompts: list[list[int]], batch4: bool) -> dict:
-        """drafters: label -> (version, EagleDrafter). -> {"plain": {b1, b4}, "drafters": {label: ...}}."""
-        from specrl.spec.sampling import SamplingParams
-
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-        while len(self.adaptive) < len(drafters):
-            self.adaptive.append(self._engine())
-        engines = dict(zip(drafters, self.adaptive))
-        if not self.warm:
-            for engine in (self.plain, self.fixed, *engines.values()):
-                engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))
-            self.warm = True
-        result = {"plain": {}, "drafters": {}}
-        for label, (version, drafter) in drafters.items():
-            _use(engines[label], version, drafter)
-            result["drafters"][label] = {"version": version, **self._fixed_k(version, drafter, prompts, params)}
-        self._batch1(engines, prompts, params, result)
-        if batch4:
-            plain = _Tally().add(*_run(self.plain, prompts, params))
-            result["plain"]["b4"] = plain.speed()
-            for label, engine in engines.items():
-                b4 = result["drafters"][label]["b4"] = _Tally().add(*_run(engine, prompts, params), plain.outputs).speed()
-                result["drafters"][label]["ratio_b4"] = b4["tokens_per_s"] / result["plain"]["b4"]["tokens_per_s"]
-        return result
-
-    def _fixed_k(self, version: str, drafter, prompts: list[list[int]], params) -> dict:
-        """Acceptance length at k = FIXED_K (every prompt, batched up to max_batch)."""
-        _use(self.fixed, version, drafter)
-        seconds, done, stats = _run(self.fixed, prompts, params)
-        return {"acceptance_length_k4": stats["acceptance_length"], "k4_tokens_per_s": stats["tokens"] / seconds}
-
-    def _batch1(self, engines: dict, prompts: list[list[int]], params, result: dict) -> None:
-        """B = 1, prompt by prompt: plain, then each adaptive engine, so that background load
-        drifts hit every engine alike; also the median of the per-prompt speed ratios."""
-        plain, tallies = _Tally(), {label: _Tally() for label in engines}
-        ratios = {label: [] for label in engines}
-        for prompt in prompts:
-            seconds, [reference], stats = _run(self.plain, [prompt], params)
-            plain.add(seconds, [reference], stats)
-            for label, engine in engines.items():
-                spec_s, [done], stats = _run(engine, [prompt], params)
-                tallies[label].add(spec_s, [done], stats, [reference.output_ids])
-                ratios[label].append(len(done.output_ids) / spec_s / (len(reference.output_ids) / seconds))
-        result["plain"]["b1"] = plain.speed()
-        for label, tally in tallies.items():
-            b1 = result["drafters"][label]["b1"] = tally.speed()
-            result["drafters"][label]["ratio_b1"] = b1["tokens_per_s"] / result["plain"]["b1"]["tokens_per_s"]
-            result["drafters"][label]["ratio_b1_median"] = sorted(ratios[label])[len(prompts) // 2]
-
-
-def _use(engine, version: str, drafter) -> None:
-    """Swap `drafter` into `engine` at a step boundary (the engine is idle between measurements)."""
-    from specrl.serving.swap import SwapRequest
-
-    if engine.drafter is drafter:
-        return
-    request = SwapRequest("drafter", version, "drain", drafter, 0.0)
-    engine.request_swap(request)
-    engine.step()
-    request.done.result(timeout=0)
-
-
-def _run(engine, prompts: list[list[int]], params) -> tuple[float, list, dict]:
-    """Generate; -> (seconds, completions, the engine's counters over the run)."""
-    before = dataclasses.replace(engine.stats)
-    started = time.perf_counter()
-    done = engine.generate(prompts, params)
-    seconds = time.perf_counter() - started
-    after = engine.stats
-    stats = {name: getattr(after, name) - getattr(before, name)
-             for name in ("steps", "drafts", "draft_tokens", "accepted_tokens")}
-    stats["tokens"] = sum(len(c.output_ids) for c in done)
-    stats["acceptance_length"] = 1 + stats["accepted_tokens"] / stats["drafts"] if stats["drafts"] else None
-    return seconds, done, stats
-
-
-@dataclasses.dataclass
-class _Tally:
-    """Generation runs added up: time, tokens, engine counters, outputs equal to a reference."""
-
-    seconds: float = 0.0
-    counts: dict = dataclasses.field(default_factory=dict)
-    outputs: list = dataclasses.field(default_factory=list)
-    same: int = 0
-
-    def add(self, seconds: float, done: list, stats: dict, reference: list | None = None) -> "_Tally":
-        self.seconds += seconds
-        for name in ("tokens", "steps", "drafts", "draft_tokens", "accepted_tokens"):
-            self.counts[name] = self.counts.get(name, 0) + stats[name]
-        outputs = [c.output_ids for c in done]
-        self.same += sum(a == b for a, b in zip(outputs, reference or outputs))
-        self.outputs += outputs
-        return self
-
-    def speed(self) -> dict:
-        c = self.counts
-        row = {"seconds": self.seconds, "tokens": c["tokens"], "tokens_per_s": c["tokens"] / self.seconds,
-               "same_output": self.same / len(self.outputs)}
-        row.update(tokens_per_step=c["tokens"] / c["steps"], mean_k=c["draft_tokens"] / c["steps"],
-                   acceptance_length=1 + c["accepted_tokens"] / c["drafts"] if c["drafts"] else None)
-        return row
-
-
-# ---- one run: processes, traffic, checkpoints ------------------------------------------------
 class TrafficClock:
     """Traffic seconds since the traffic started, pauses (checkpoints) excluded."""
 
@@ -317,6 +201,7 @@ class Run:
                  minutes: float):
         self.spec, self.settings, self.redis_url, self.meter, self.out = spec, settings, redis_url, meter, out
         self.deployment = f"bench-adapt-{spec.name}-{secrets.token_hex(4)}"
+        self.events_path = out / "trainer-events.jsonl"
         self.users = users
         self.publish_every_s = max(5.0, min(30.0, minutes * 60 / 8))
         self.clock = TrafficClock()
@@ -343,12 +228,12 @@ class Run:
                 report.update(self._collect())
             finally:
                 self._stop()
-            report.update(adapt_report.trainer_report(self.out / "trainer.log", self.clock, self.store, report,
+            report.update(adapt_report.trainer_report(self.events_path, self.clock, self.store, report,
                                                       samples_every=round(SERVED_EVERY_S / POLL_S)))
         return report
 
     def _start(self) -> None:
-        from specrl.launch import free_port, spawn, wait_healthy
+        from specrl.apps.launch import free_port, spawn, wait_healthy
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -362,10 +247,13 @@ class Run:
                                           "day0", "--max-batch", str(self.settings.max_batch)], env,
                                          self.out / "server.log")
         wait_healthy(self.url, self.children["server"], self.out / "server.log")
+        self.meter.reset_index()  # the meter's suffix index learns this run's traffic as another replica would
+        self.feed = FleetFeed(self.redis_url, self.stream, "bench-meter", self.meter.index,
+                              deployment=self.deployment).start()
         self.children["trainer"] = spawn(["train-drafter", *common, "--server", self.url, "--objective",
-                                           self.spec.objective, "--publish-every-s", f"{self.publish_every_s:g}"],
-                                          env, self.out / "trainer.log")
-        _wait_for_line(self.children["trainer"], self.out / "trainer.log", "event=start")
+                                           self.spec.objective, "--publish-every-s", f"{self.publish_every_s:g}",
+                                           "--trainer-events", str(self.events_path)], env, self.out / "trainer.log")
+        _wait_for_start(self.children["trainer"], self.events_path, self.out / "trainer.log")
         threading.Thread(target=self._poll, daemon=True).start()
 
     def _phases(self) -> dict:
@@ -406,8 +294,7 @@ class Run:
         finally:
             if resume:
                 self._resume()
-        events = trainer_events(self.out / "trainer.log") if "trainer" in self.children else []
-        trained = [e for e in events if e["event"] == "evaluate"]
+        trained = read_events(self.events_path, "evaluate") if "trainer" in self.children else []
         online = measured["drafters"]["online"]
         manifest = self.store.manifest("drafter", online["version"]) if online["version"] != "day0" else None
         row = {"label": label, "time_s": time.monotonic() - self.started, "traffic_s": self.clock(wall),
@@ -415,7 +302,7 @@ class Run:
                "trainer_records": int(trained[-1]["records"]) if trained else 0,
                "drafter_records": int(manifest.metrics.get("records", 0)) if manifest else 0, **measured}
         _progress(f"run={self.spec.name}: checkpoint {label}: traffic {row['traffic_s'] / 60:.1f} min, "
-                  f"drafter {online['version']}, acceptance length k=4 {adapt_report.fmt(online['acceptance_length_k4'])}, "
+                  f"drafter {online['version']}, acceptance length k=4 {adapt_report.fmt(online['mean_acceptance_length_k4'])}, "
                   f"B=1 {online['b1']['tokens_per_s']:.1f} vs plain {measured['plain']['b1']['tokens_per_s']:.1f} "
                   f"tok/s ({online['ratio_b1']:.2f}x)")
         return row
@@ -442,7 +329,7 @@ class Run:
         import redis
 
         from specrl.trainer.main import GROUP
-        from specrl.up import rates, sample_metrics
+        from specrl.apps.scrape import rates, sample_metrics
 
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
         previous, next_served = None, 0.0
@@ -483,10 +370,12 @@ class Run:
         import redis
 
         from specrl.telemetry.reader import DEAD_LETTER_SUFFIX
-        from specrl.launch import terminate
+        from specrl.apps.launch import terminate
 
         self.finished.set()
         self._resume()
+        if getattr(self, "feed", None) is not None:
+            self.feed.stop()
         for name in ("trainer", "server"):
             if name in self.children:
                 terminate(self.children[name])
@@ -497,10 +386,11 @@ class Run:
         shutil.rmtree(self.settings.home / "trainer" / self.deployment, ignore_errors=True)
 
 
-def _wait_for_line(proc: subprocess.Popen, log: Path, needle: str, timeout_s: float = 300) -> None:
+def _wait_for_start(proc: subprocess.Popen, events: Path, log: Path, timeout_s: float = 300) -> None:
+    """Until the trainer's event file says it started (its model is loaded, its group exists)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if needle in log.read_text(errors="replace"):
+        if read_events(events, "start"):
             return
         if proc.poll() is not None:
             raise SpecrlError(f"the trainer exited with {proc.returncode}; see {log}")

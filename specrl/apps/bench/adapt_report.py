@@ -1,6 +1,6 @@
 """The report half of `specrl bench adapt`: what the trainer did (its log and manifests,
 throughput, lag from a request's completion to a published drafter that learned from it), the
-JSON result, the printed table and the chart. `specrl.bench.adapt` runs the measurement and
+JSON result, the printed table and the chart. `specrl.apps.bench.adapt` runs the measurement and
 hands its raw runs here; how each number is measured is written there."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Callable
 import torch
 
 from specrl.config import Settings
-from specrl.trainer.drafter_log import trainer_events
+from specrl.telemetry.event_log import read_events
 
 # ---- the trainer's side: log, manifests, throughput, lag -------------------------------------
-def trainer_report(log: Path, clock: Callable[[float], float], store, run: dict, samples_every: int) -> dict:
+def trainer_report(events_path: Path, clock: Callable[[float], float], store, run: dict, samples_every: int) -> dict:
     """`run`'s raw arrivals and polls -> throughput, lag, evaluations, publishes, rollbacks;
     `clock` maps wall time to traffic seconds, every `samples_every`-th poll is kept as the backlog curve."""
     end = run.pop("final_pause_wall")
     arrivals, polls = run.pop("arrivals"), run.pop("polls")
-    events = [e for e in trainer_events(log) if e["time"] <= end]
+    events = [e for e in read_events(events_path, "evaluate", "publish", "rollback") if e["time"] <= end]
     for e in events:
         e["traffic_s"] = clock(e["time"])
     manifests = {m.version: m for m in store.versions("drafter")} if store.root.is_dir() else {}
@@ -83,10 +83,16 @@ def build_result(settings: Settings, minutes: float, objectives: list[str], shif
     for run in runs:
         first, last = run["checkpoints"][0], run["checkpoints"][-1]
         online = last["drafters"]["online"]
-        entry = {"acceptance_length_k4": [first["drafters"]["online"]["acceptance_length_k4"],
-                                          online["acceptance_length_k4"]],
+        entry = {"mean_acceptance_length_k4": [first["drafters"]["online"]["mean_acceptance_length_k4"],
+                                          online["mean_acceptance_length_k4"]],
                  "ratio_b1": [first["drafters"]["online"]["ratio_b1"], online["ratio_b1"]],
                  "ratio_b4": [first["drafters"]["online"].get("ratio_b4"), online.get("ratio_b4")],
+                 "proposers": {name: {"ratio_b1": [first["drafters"][name]["ratio_b1"], last["drafters"][name]["ratio_b1"]],
+                                      "ratio_b4": [first["drafters"][name].get("ratio_b4"),
+                                                   last["drafters"][name].get("ratio_b4")],
+                                      "tokens_per_step_b1": [first["drafters"][name]["b1"]["tokens_per_step"],
+                                                             last["drafters"][name]["b1"]["tokens_per_step"]]}
+                               for name in CONFIGURATIONS if name in last["drafters"]},
                  "publishes": len(run["publishes"]), "trained_records_per_s": run["throughput"]["trained_records_per_s"],
                  "lag_median_s": run["lag"].get("median_s")}
         if "frozen" in last["drafters"]:
@@ -108,6 +114,9 @@ def build_result(settings: Settings, minutes: float, objectives: list[str], shif
     }
 
 
+CONFIGURATIONS = {"online": "head", "online+suffix": "hybrid", "suffix": "suffix index"}  # measured beside plain
+
+
 def fmt(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -122,7 +131,7 @@ def print_table(result: dict) -> None:
                 name = run["name"] + ("" if label == "online" else f" ({label})")
                 print(f"{name:<12} {c['label']:<8} {c['traffic_s'] / 60:>5.1f} {c['traffic_tokens']:>7} "
                       f"{c['trainer_records']:>7} {d['version']:>7} {c['drafter_records'] if label == 'online' else '-':>6} "
-                      f"{fmt(d['acceptance_length_k4']):>6} "
+                      f"{fmt(d.get('mean_acceptance_length_k4')):>6} "
                       f"{d['b1']['tokens_per_s']:>6.1f} {c['plain']['b1']['tokens_per_s']:>6.1f} "
                       f"{d['ratio_b1']:>5.2f} {d['ratio_b1_median']:>5.2f} {fmt(d.get('ratio_b4')):>5}")
     for run in result["runs"]:
@@ -150,23 +159,33 @@ def plot(result: dict, path: Path) -> None:
         points = run["checkpoints"]
         minutes = [c["traffic_s"] / 60 for c in points]
         online = [c["drafters"]["online"] for c in points]
-        acc.plot(minutes, [d["acceptance_length_k4"] or 1.0 for d in online], "o-", color=color, label=run["name"])
+        acc.plot(minutes, [d["mean_acceptance_length_k4"] or 1.0 for d in online], "o-", color=color, label=run["name"])
         evals = [e for e in run["evaluations"] if e.get("candidate_tau") not in (None, "None")]
         acc.plot([e["traffic_s"] / 60 for e in evals], [float(e["candidate_tau"]) for e in evals], ":", color=color,
                  alpha=0.6, label=f"{run['name']}: trainer's held-out tau")
-        ratio.plot(minutes, [d["ratio_b1"] for d in online], "o-", color=color, label=f"{run['name']} B=1")
-        b4 = [(m, d["ratio_b4"]) for m, d in zip(minutes, online) if "ratio_b4" in d]
-        if b4:
-            ratio.plot(*zip(*b4), "s--", color=color, mfc="none", label=f"{run['name']} B=4")
+        for (name, shown), marker in zip(CONFIGURATIONS.items(), ("o", "^", "s")):
+            series = [c["drafters"][name] for c in points if name in c["drafters"]]
+            if len(series) < len(points):
+                continue
+            alpha = 1.0 if name == "online+suffix" else 0.55
+            ratio.plot(minutes, [d["ratio_b1"] for d in series], marker + "-", color=color, alpha=alpha,
+                       label=f"{run['name']} {shown} B=1")
+            b4 = [(m, d["ratio_b4"]) for m, d in zip(minutes, series) if "ratio_b4" in d]
+            if b4:
+                ratio.plot(*zip(*b4), marker + "--", color=color, mfc="none", alpha=alpha,
+                           label=f"{run['name']} {shown} B=4")
+            if name != "online":  # tokens per step (B=1, adaptive): the index's and the hybrid's acceptance
+                acc.plot(minutes, [d["b1"]["tokens_per_step"] for d in series], marker + ("--" if name == "suffix" else "-."),
+                         color=color, alpha=0.7, label=f"{run['name']}: {shown}, tokens/step B=1")
         for p in run["publishes"]:
             for ax in (acc, ratio):
                 ax.axvline(p["traffic_s"] / 60, color=color, alpha=0.25, linewidth=0.8)
         if "frozen" not in points[-1]["drafters"]:
-            objectives.plot([c["traffic_tokens"] / 1000 for c in points], [d["acceptance_length_k4"] or 1.0 for d in online],
+            objectives.plot([c["traffic_tokens"] / 1000 for c in points], [d["mean_acceptance_length_k4"] or 1.0 for d in online],
                             "o-", color=color, label=run["objective"])
             if not result["shift"]:
-                served = [s for s in run["served"] if s.get("acceptance_length")]
-                extra.plot([s["traffic_s"] / 60 for s in served], [s["acceptance_length"] for s in served],
+                served = [s for s in run["served"] if s.get("tokens_per_step")]
+                extra.plot([s["traffic_s"] / 60 for s in served], [s["tokens_per_step"] for s in served],
                            color=color, label=run["name"])
         else:
             last = points[-1]
@@ -175,10 +194,10 @@ def plot(result: dict, path: Path) -> None:
                       last["drafters"]["online"]["b1"]["tokens_per_s"]]
             extra.bar([f"{n}\n{run['name']}" for n in names], values, color=["grey", "tab:blue", color])
             extra.set_ylabel(f"tokens/s B=1, held-out {shifted_to}")
-    acc.set(ylabel=f"acceptance length (k={fixed_k}, held-out)", xlabel="traffic minutes (vertical: publishes)")
+    acc.set(ylabel=f"held-out: head's acceptance length (k={fixed_k}); tokens/step", xlabel="traffic minutes (vertical: publishes)")
     ratio.axhline(1.0, color="black", linewidth=0.8)
     ratio.axhline(1.3, color="grey", linestyle=":", linewidth=0.8)
-    ratio.set(ylabel="tokens/s adaptive / plain", xlabel="traffic minutes")
+    ratio.set(ylabel="tokens/s over plain (held-out)", xlabel="traffic minutes")
     objectives.set(ylabel=f"acceptance length (k={fixed_k})", xlabel="traffic completion tokens (thousands)",
                    title="objectives")
     if not extra.get_ylabel():

@@ -4,7 +4,7 @@ comparison fair: one thread count for both, vLLM in its own processes, ratios vL
 vLLM is never imported here or in any bench process that also measures native: importing it
 changes torch's threading for the whole process. Its presence and version come from the
 package metadata; it runs in child processes (`specrl serve --backend vllm`, or
-`python -m specrl.bench.vllm_engine`) with `vllm_env`.
+`python -m specrl.apps.bench.vllm_engine`) with `vllm_env`.
 """
 
 from __future__ import annotations
@@ -77,3 +77,11 @@ def settings_record(settings) -> dict:
     from pathlib import Path
 
     return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()}
+
+
+def add_backends_flag(parser) -> None:
+    """`--backend native,vllm`: the backends a bench compares side by side."""
+    parser.add_argument("--backend", dest="backends", default=None,
+                        help="comma-separated backends side by side: native,vllm (default: both when vLLM is "
+                             "installed); each computes with --threads threads (here 0 = vLLM's CPU default, all "
+                             "cores but one)")

@@ -9,7 +9,7 @@ request's first token (not for HF `generate`, which returns at the end). Native 
 speculative run back to back per B and share one target (the same weights object), so their
 ratio compares decoding, not loading. Every engine computes with the same number of threads
 (`--threads`, default: vLLM's own default on CPU, all usable cores but one). vLLM runs in child
-processes (`specrl.bench.vllm_engine` says how and why), the engine `specrl serve --backend vllm`
+processes (`specrl.apps.bench.vllm_engine` says how and why), the engine `specrl serve --backend vllm`
 serves: its speculative rows use the same drafter (the day-0 head unless --drafter names one)
 with a fixed k = --max-draft-tokens, where native picks k per step. Ratios vLLM / native per B
 for tokens/s and TTFT. Besides throughput the report holds:
@@ -18,12 +18,19 @@ for tokens/s and TTFT. Besides throughput the report holds:
   float32 tensor, best of 3) over the weight bytes one decode forward streams (every layer's
   qkv / o / gate_up / down and the output head, counted once even when tied to the embedding;
   the embedding lookup reads a row, not the table);
+- the forward cost curve: ms of one target forward (all layers + head) by batch size B and
+  positions per row T, per dtype (`forward_curve.py`; table, forward-curve.png): what the
+  controller's drafting decisions rest on (a verify over T positions, or B rows, should cost about
+  one position);
+- native bfloat16 beside float32 where the CPU has native bf16 dot products (avx512_bf16 / AMX),
+  with the CPU flags that decided it;
 - the process's peak RSS after the native runs, before HF loads its copy of the model,
-  against 2 x model bytes + the KV caches allocated (the bench process only: vLLM's are others).
+  against (model bytes + the KV caches allocated) x 1.25 (the bench process only: vLLM's are others).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import resource
@@ -35,20 +42,30 @@ from typing import Callable
 
 import torch
 
-from specrl.bench.backends import NATIVE, VLLM, bench_threads, ratio, settings_record, vllm_version
-from specrl.bench.vllm_engine import VLLM_PLAIN, VLLM_SPEC, vllm_rows
+from specrl.apps.bench.backends import (NATIVE, VLLM, add_backends_flag, bench_threads, parse_backends, ratio,
+                                        settings_record, vllm_version)
+from specrl.apps.bench.forward_curve import forward_cost_curve, plot_forward_curve
+from specrl.apps.bench.vllm_engine import VLLM_PLAIN, VLLM_SPEC, vllm_rows
+from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
+from specrl.models.calibration import KEY_FLAGS, cpu_info, resolve_dtype
+from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
 
 NATIVE_PLAIN, NATIVE_SPEC, HF = "native_plain", "native_spec", "hf_generate"
+CURVE_BATCHES, CURVE_POSITIONS = (1, 4, 8), (1, 2, 3, 5, 9, 17)
+RSS_HEADROOM = 1.25  # peak RSS of the engines <= (model + KV caches) x this
 # (ratio name, metric, numerator engine, denominator engine), per batch size when both were measured
 RATIOS = (
     ("native_plain_over_hf", "tokens_per_s", NATIVE_PLAIN, HF),
     ("native_spec_over_native_plain", "tokens_per_s", NATIVE_SPEC, NATIVE_PLAIN),
+    ("native_bf16_over_native_fp32", "tokens_per_s", NATIVE_PLAIN + "_bf16", NATIVE_PLAIN),
+    ("native_spec_bf16_over_native_plain_bf16", "tokens_per_s", NATIVE_SPEC + "_bf16", NATIVE_PLAIN + "_bf16"),
     ("vllm_plain_over_native_plain", "tokens_per_s", VLLM_PLAIN, NATIVE_PLAIN),
     ("vllm_spec_over_native_spec", "tokens_per_s", VLLM_SPEC, NATIVE_SPEC),
     ("vllm_spec_over_vllm_plain", "tokens_per_s", VLLM_SPEC, VLLM_PLAIN),
+    ("vllm_plain_bf16_over_native_plain_bf16", "tokens_per_s", VLLM_PLAIN + "_bf16", NATIVE_PLAIN + "_bf16"),
     ("decode_vllm_plain_over_native_plain", "decode_tokens_per_s", VLLM_PLAIN, NATIVE_PLAIN),
     ("decode_vllm_spec_over_native_spec", "decode_tokens_per_s", VLLM_SPEC, NATIVE_SPEC),
     ("ttft_vllm_plain_over_native_plain", "ttft_ms", VLLM_PLAIN, NATIVE_PLAIN),
@@ -76,6 +93,28 @@ PROMPTS = [
 ]
 
 
+def register(sub) -> None:
+    p = sub.add_parser("engine", help="native plain vs native speculative vs HF generate, and vLLM plain vs vLLM "
+                                      "speculative: tokens/s, TTFT, ratios")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=64)
+    add_backends_flag(p)
+    p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-engine-<time>)")
+    add_settings(p, *COMMON, *ENGINE)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    backends = parse_backends(args.backends)
+    settings = settings_from(args)
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"--batch-sizes takes comma-separated integers, not {args.batch_sizes!r}") from None
+    run_engine_bench(settings, sizes, args.new_tokens, args.out, tuple(backends))
+    return 0
+
+
 def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int, out_dir: str | None,
                      backends: tuple[str, ...] = (NATIVE,)) -> dict:
     """Measure every engine of `backends` at every batch size; print a table; write
@@ -99,36 +138,67 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
          backends: tuple[str, ...]) -> dict:
     drafter = spec_drafter(settings)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes), threads=threads, drafter=drafter)
-    plain, spec = native_engines(settings)
-    prompts = chat_prompts(spec.tokenizer, max(batch_sizes))
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    rows = []
-    for b in batch_sizes:
-        for name, engine in ((NATIVE_PLAIN, plain), (NATIVE_SPEC, spec)):
-            rows.append(_measure(name, b, lambda: _native_run(engine, prompts[:b], params)))
-    memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
-                                        "native_spec_drafter": spec.draft_cache})
-    weight_bytes = streamed_weight_bytes(spec.target)
-    del plain, spec
-    gc.collect()
+    rows, curve, memory, weight_bytes = [], [], None, None
+    for dtype in native_dtypes():
+        plain, spec = native_engines(settings.replace(dtype=dtype))
+        suffix = "" if dtype == "float32" else "_bf16"
+        prompts = chat_prompts(spec.tokenizer, max(batch_sizes))
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for b in batch_sizes:
+            for name, engine in ((NATIVE_PLAIN + suffix, plain), (NATIVE_SPEC + suffix, spec)):
+                rows.append({**_measure(name, b, lambda: _native_run(engine, prompts[:b], params)), "dtype": dtype})
+        _progress(f"forward cost curve ({dtype})")
+        curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
+        if memory is None:  # float32 first: the bound and the memory limit are its
+            memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
+                                                "native_spec_drafter": spec.draft_cache})
+            weight_bytes = spec.target.streamed_weight_bytes()
+        del plain, spec
+        gc.collect()
     bandwidth = read_bandwidth_gb_s()
     rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
     if VLLM in backends:
-        rows += vllm_rows(settings, drafter, prompts, batch_sizes, new_tokens, threads, out / "vllm-logs")
+        rows += vllm_rows(settings, drafter, prompts, batch_sizes, new_tokens, threads, out / "vllm-logs",
+                          tuple(native_dtypes()))
     result = _result(settings, model_dir, batch_sizes, new_tokens, rows, memory,
                      _bandwidth_report(bandwidth, weight_bytes, rows), backends)
+    result["forward_curve"] = {"rows": curve, "ratios": curve_ratios(curve)}
     _print_table(result)
     _write_report(result, out)
+    plot_forward_curve(curve, out / "forward-curve.png")
+    print(f"chart:  {out / 'forward-curve.png'}")
     return result
 
 
+def native_dtypes() -> list[str]:
+    """float32, and bfloat16 beside it where the CPU has native bf16 dot products."""
+    dtype, _ = resolve_dtype("auto", cpu_info()[1])
+    return ["float32"] if dtype == torch.float32 else ["float32", "bfloat16"]
+
+
+def curve_ratios(curve: list[dict]) -> dict[str, dict[str, float]]:
+    """The cost curve's shape per dtype: B=1 T=5 / B=1 T=1, B=4 T=2 / B=4 T=1, B=8 T=1 / B=1 T=1."""
+    out = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in curve):
+        ms = {(r["batch"], r["tokens"]): r["median_ms"] for r in curve if r["dtype"] == dtype}
+        out[dtype] = {name: ms[top] / ms[bottom] for name, top, bottom in (
+            ("b1_t5_over_b1_t1", (1, 5), (1, 1)), ("b4_t2_over_b4_t1", (4, 2), (4, 1)),
+            ("b8_t1_over_b1_t1", (8, 1), (1, 1))) if top in ms and bottom in ms}
+    return out
+
+
+def _progress(message: str) -> None:
+    print(f"bench engine: {message}", file=sys.stderr, flush=True)
+
+
 def native_engines(settings: Settings):
-    """-> (plain, speculative) engines over one shared target. The speculative one uses the
-    configured drafter directory, else the untrained day-0 head."""
-    from specrl.serving.engine import Engine
+    """-> (plain, speculative) engines over one shared target. Plain: no drafter, no suffix index.
+    Speculative: as served (the configured drafter directory, else the untrained day-0 head, beside
+    the suffix index unless --suffix-capacity 0)."""
+    from specrl.engine.engine import Engine
 
     spec = Engine.from_settings(settings.replace(drafter=spec_drafter(settings)))
-    plain = Engine(spec.target, spec.tokenizer, settings.replace(drafter="none"))
+    plain = Engine(spec.target, spec.tokenizer, settings.replace(drafter="none", suffix_capacity=0), plan=spec.plan)
     return plain, spec
 
 
@@ -154,26 +224,24 @@ def _native_run(engine, prompts: list[list[int]], params: SamplingParams) -> dic
             if out.new_token_ids:
                 first.setdefault(out.request_id, time.perf_counter() - started)
     done = [engine.completion(s) for s in seqs]
-    speculative = engine.drafter is not None
     return batch_stats([len(c.output_ids) for c in done], [first.get(c.request_id) for c in done],
-                       steps=sum(c.steps for c in done),
-                       drafted=sum(c.drafted for c in done) if speculative else None,
-                       accepted=sum(c.accepted for c in done) if speculative else None,
-                       acceptance_lengths=[c.acceptance_length for c in done])
+                       [c.spec for c in done], speculative=engine.drafter is not None)
 
 
-def batch_stats(tokens: list[int], first_token_s: list[float | None], *, steps: int, drafted: int | None = None,
-                accepted: int | None = None, acceptance_lengths: list[float] = ()) -> dict:
-    """One batch's counts (per request: tokens generated, seconds to its first token; `drafted`
-    None: no drafter) -> {tokens, steps, ttft_ms, ttft_ms_max[, drafted, accepted,
-    acceptance_length, accepted_fraction]}."""
+def batch_stats(tokens: list[int], first_token_s: list[float | None], specs: list[SpecCounts], *,
+                speculative: bool) -> dict:
+    """One batch's counts (per request: tokens generated, seconds to its first token, its
+    spec-decode counters) -> {tokens, steps, ttft_ms, ttft_ms_max[, num_draft_tokens,
+    num_accepted_tokens, tokens_per_step, acceptance_rate] when speculative}."""
     ttft = [s * 1000 for s in first_token_s if s is not None]
-    stats = {"tokens": sum(tokens), "steps": steps, "ttft_ms": sum(ttft) / len(ttft) if ttft else None,
+    total = SpecCounts()
+    for spec in specs:
+        total.add(spec)
+    stats = {"tokens": sum(tokens), "steps": total.num_steps, "ttft_ms": sum(ttft) / len(ttft) if ttft else None,
              "ttft_ms_max": max(ttft, default=None)}
-    if drafted is not None:
-        stats.update(drafted=drafted, accepted=accepted,
-                     acceptance_length=sum(acceptance_lengths) / max(len(acceptance_lengths), 1),
-                     accepted_fraction=accepted / drafted if drafted else 0.0)
+    if speculative:
+        stats.update(num_draft_tokens=total.num_draft_tokens, num_accepted_tokens=total.num_accepted_tokens,
+                     tokens_per_step=total.tokens_per_step, acceptance_rate=total.acceptance_rate or 0.0)
     return stats
 
 
@@ -195,7 +263,7 @@ def timed_row(engine: str, batch_size: int, seconds: float, stats: dict) -> dict
         decode = (stats["tokens"] - batch_size) / (seconds - last_first / 1000)
     row = {"engine": engine, "batch_size": batch_size, "seconds": seconds,
            "tokens_per_s": stats["tokens"] / seconds, "decode_tokens_per_s": decode, **stats}
-    extra = f" acceptance_length={row['acceptance_length']:.2f}" if "acceptance_length" in row else ""
+    extra = f" tokens_per_step={row['tokens_per_step']:.2f}" if "tokens_per_step" in row else ""
     extra += f" ttft_ms={row['ttft_ms']:.0f}" if row.get("ttft_ms") is not None else ""
     print(f"bench engine={engine} B={batch_size} tokens={row['tokens']} seconds={seconds:.2f} "
           f"tokens_per_s={row['tokens_per_s']:.1f}{extra}", file=sys.stderr, flush=True)
@@ -225,12 +293,6 @@ def _hf_run(model, prompts: list[list[int]], config, pad: int) -> dict:
     return {"tokens": (out.shape[1] - width) * len(prompts), "ttft_ms": None}
 
 
-def streamed_weight_bytes(target) -> int:
-    """Bytes of weights one decode forward reads: every 2-D layer weight plus the output head once."""
-    layers = sum(p.nbytes for name, p in target.named_parameters() if p.dim() == 2 and name not in ("embed", "lm_head"))
-    return layers + target.lm_head.nbytes
-
-
 def read_bandwidth_gb_s(nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> float:
     """Memory read bandwidth in GB/s: best of `repeats` `t.sum()` over an nbytes float32 tensor."""
     t = torch.ones(nbytes // 4)
@@ -250,16 +312,16 @@ def _bandwidth_report(gb_s: float, weight_bytes: int, rows: list[dict]) -> dict:
 
 
 def _memory_report(model_dir: Path, caches: dict) -> dict:
-    """Peak RSS so far (ru_maxrss is KiB on Linux) against 2 x model + every KV cache allocated."""
+    """Peak RSS so far (ru_maxrss is KiB on Linux) against (model + every KV cache allocated) x RSS_HEADROOM."""
     import psutil
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     kv = {name: cache.nbytes for name, cache in caches.items() if cache is not None}
-    limit = 2 * model_bytes + sum(kv.values())
+    limit = int((model_bytes + sum(kv.values())) * RSS_HEADROOM)
     return {"peak_rss_bytes": peak, "rss_bytes_now": psutil.Process().memory_info().rss, "model_bytes": model_bytes, "kv_cache_bytes": kv,
             "kv_cache_bytes_total": sum(kv.values()), "limit_bytes": limit, "peak_rss_below_limit": peak < limit,
-            "note": "measured after the native runs, before HF loads; the native engines share one target"}
+            "note": "measured after the native float32 runs, before HF loads; the native engines share one target"}
 
 
 def engine_ratios(rows: list[dict], batch_sizes: list[int]) -> dict[str, dict[str, float | None]]:
@@ -279,6 +341,7 @@ def _result(settings: Settings, model_dir: Path, batch_sizes: list[int], new_tok
     version = vllm_version()
     return {
         "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": {"model": cpu_info()[0], "flags": sorted(cpu_info()[1] & set(KEY_FLAGS))},
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "model": settings.model, "model_dir": str(model_dir), "settings": settings_record(settings),
         "backends": list(backends), "batch_sizes": batch_sizes, "new_tokens": new_tokens, "rows": rows,
@@ -290,10 +353,10 @@ def _result(settings: Settings, model_dir: Path, batch_sizes: list[int], new_tok
 
 
 def _print_table(result: dict) -> None:
-    print(f"{'engine':<13} {'B':>3} {'tok/s':>8} {'decode':>8} {'TTFT ms':>8} {'seconds':>8} {'acc.len':>8} "
+    print(f"{'engine':<13} {'B':>3} {'tok/s':>8} {'decode':>8} {'TTFT ms':>8} {'seconds':>8} {'tok/step':>8} "
           f"{'accepted':>9}")
     for r in result["rows"]:
-        acc = f"{r['acceptance_length']:>8.2f} {r['accepted_fraction']:>9.1%}" if "acceptance_length" in r else ""
+        acc = f"{r['tokens_per_step']:>8.2f} {r['acceptance_rate']:>9.1%}" if "tokens_per_step" in r else ""
         ttft = "-" if r.get("ttft_ms") is None else f"{r['ttft_ms']:.0f}"
         decode = "-" if r.get("decode_tokens_per_s") is None else f"{r['decode_tokens_per_s']:.1f}"
         print(f"{r['engine']:<13} {r['batch_size']:>3} {r['tokens_per_s']:>8.1f} {decode:>8} {ttft:>8} "
@@ -306,7 +369,10 @@ def _print_table(result: dict) -> None:
     bw, mem = result["bandwidth"], result["memory"]
     print(f"bandwidth {bw['read_gb_s']:.1f} GB/s, {bw['weight_bytes_per_forward'] / 1e6:.0f} MB/forward -> "
           f"bound {bw['bound_tokens_per_s_batch1']:.1f} tok/s at B=1")
-    print(f"peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB (limit 2 x model + KV = {mem['limit_bytes'] / 2**20:.0f} MiB: "
+    for dtype, ratios in result.get("forward_curve", {}).get("ratios", {}).items():
+        print(f"forward cost curve ({dtype}): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print(f"cpu {result['cpu']['model']} flags {','.join(result['cpu']['flags'])}")
+    print(f"peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB (limit (model + KV) x {RSS_HEADROOM} = {mem['limit_bytes'] / 2**20:.0f} MiB: "
           f"{'below' if mem['peak_rss_below_limit'] else 'ABOVE'}); threads {result['threads']}; "
           f"vllm {result['vllm']['version'] or 'not installed'}"
           f"{'' if result['vllm']['measured'] else ', not measured'}")

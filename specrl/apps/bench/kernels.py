@@ -19,6 +19,7 @@ Times are medians over repeats of at least MIN_SECONDS (one warm-up first).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import platform
@@ -31,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.config import Settings
 from specrl.kernels import drafter_loss_reference, rejection_sample_rowwise, rejection_sample_torch, triton_available
 from specrl.kernels import drafter_loss as loss_twin
@@ -45,6 +47,19 @@ CPU_RAM_BUDGET = 8 * 2 ** 30
 CPU_SECONDS_BUDGET = 45.0
 MIN_SECONDS = 0.3
 REFERENCE_NV_COPIES = 6  # [N, V] float32 tensors alive at the reference's peak (logits, softmaxes, grads)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("kernels", help="Triton kernels vs their torch twins (twins only on CPU)")
+    p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-kernels-<time>)")
+    p.add_argument("--quick", action="store_true", help="small shapes only")
+    add_settings(p, *COMMON)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_kernel_bench(settings_from(args), quick=args.quick, out_dir=args.out)
+    return 0
 
 
 def run_kernel_bench(settings: Settings, quick: bool, out_dir: str | None, *,

@@ -9,7 +9,7 @@ text completions, streaming and not, 16-32 tokens):
 - drafter_swaps: that server, a drafter swap every 2 s;
 - policy_swaps: that server, a "drain" policy swap every 10 s.
 
-The swaps come from loadtest/swap_driver.py (two day-0 drafters, the model and a perturbed copy
+The swaps come from specrl.loadtest.swap_driver (two day-0 drafters, the model and a perturbed copy
 as policies, published in a temporary weights store). Per scenario: requests/s and completion
 tokens/s over the span of finished requests, p50/p99 TTFT and ITL (loadtest/locustfile.py says
 what they measure), failures, swap latency, for drafter swaps their visibility: ms from the
@@ -35,12 +35,12 @@ one starts with. Both get the same compute threads (`--threads`, default: vLLM's
 on CPU, all usable cores but one): native as torch threads, vLLM as OpenMP threads of its model
 worker, unpinned (`backends.vllm_env`); vLLM's API and engine-core processes come on top, as
 they do in production. The raw logs (requests, swaps, locust CSV, server logs) are kept in
-the report directory. Needs a source checkout: the locustfile and the swap driver live in
-loadtest/, outside the package.
+the report directory.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -56,12 +56,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from specrl.bench.backends import NATIVE, VLLM, bench_threads, ratio, settings_record, vllm_env, vllm_version
+from specrl.apps.bench.backends import (NATIVE, VLLM, add_backends_flag, bench_threads, parse_backends, ratio,
+                                        settings_record, vllm_env, vllm_version)
+from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
+from specrl.apps.bench.swap_versions import prepare_versions
+from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
+from specrl.loadtest import report, swap_driver
 from specrl.config import Settings
-from specrl.errors import InvalidRequestError, SpecrlError
-from specrl.launch import free_port, spawn, terminate, wait_healthy
+from specrl.errors import InvalidRequestError
 
-LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
+# Run by locust in its own process, never imported here: importing locust patches the network (gevent).
+LOCUSTFILE = Path(importlib.util.find_spec("specrl.loadtest.locustfile").origin)
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 START_TIMEOUT_S = 600.0
 FLUSH_WAIT_S = 1.0  # after a scenario, for the servers' sinks to send what they queued
@@ -95,6 +100,24 @@ SCENARIOS = (
 )
 
 
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="a live server under locust load: no swaps, drafter and policy swaps, "
+                                     "telemetry off vs on; per backend, with ratios")
+    add_backends_flag(p)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per scenario")
+    p.add_argument("--users", type=int, default=4, help="concurrent locust users")
+    p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-serve-<time>)")
+    add_settings(p, *COMMON, *ENGINE, "redis_url")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    backends = parse_backends(args.backends)
+    run_serve_bench(settings_from(args), duration_s=args.duration, users=args.users, out_dir=args.out,
+                    backends=tuple(backends))
+    return 0
+
+
 def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4, out_dir: str | None = None,
                     backends: tuple[str, ...] = (NATIVE,)) -> dict:
     """Run every scenario on every backend; print a table; write bench-serve.json and
@@ -103,7 +126,6 @@ def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4
 
     if duration_s < 2 or users < 1:
         raise InvalidRequestError("--duration must be >= 2 seconds and --users >= 1")
-    driver, report = _loadtest("swap_driver"), _loadtest("report")
     out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-serve-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(settings.model, settings.home)
@@ -113,7 +135,7 @@ def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4
     with tempfile.TemporaryDirectory(prefix="specrl-bench-serve-") as tmp:
         _progress(f"preparing weight versions of {settings.model} in {tmp}")
         store = Path(tmp) / "store"
-        versions = driver.prepare_versions(store, model_dir)
+        versions = prepare_versions(store, model_dir)
         for backend in backends:
             _reset_current(store, versions)
             for telemetry in (False, True):
@@ -121,8 +143,7 @@ def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4
                 try:
                     for scenario in (s for s in SCENARIOS if s.telemetry == telemetry):
                         row, timelines[backend, scenario.name] = _run_scenario(
-                            scenario, server, versions, duration_s, users, out / backend / scenario.name, driver,
-                            report)
+                            scenario, server, versions, duration_s, users, out / backend / scenario.name)
                         rows.append(row)
                 finally:
                     servers.append(server.stop())
@@ -132,17 +153,6 @@ def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4
     _plot(result, timelines, out / "bench-serve.png")
     print(f"report: {out / 'bench-serve.json'}\nchart:  {out / 'bench-serve.png'}")
     return result
-
-
-def _loadtest(name: str):
-    """Load loadtest/<name>.py from the source checkout (loadtest/ is not part of the package)."""
-    path = LOADTEST / f"{name}.py"
-    if not path.is_file():
-        raise SpecrlError(f"the serve bench needs a source checkout: {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"specrl_loadtest_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _reset_current(store_root: Path, versions: dict[str, list[str]]) -> None:
@@ -257,8 +267,8 @@ def prometheus_value(text: str, name: str) -> float | None:
 
 
 # ---- one scenario ------------------------------------------------------------------------
-def _run_scenario(scenario: Scenario, server: _Server, versions: dict, duration_s: float, users: int, out: Path,
-                  driver, report) -> tuple[dict, dict]:
+def _run_scenario(scenario: Scenario, server: _Server, versions: dict, duration_s: float, users: int,
+                  out: Path) -> tuple[dict, dict]:
     """Locust (its own process) against `server` while a thread swaps as the scenario says. -> (row, timeline)."""
     out.mkdir(parents=True, exist_ok=True)
     requests_log, swaps_log, prefix = out / "requests.jsonl", out / "swaps.jsonl", out / "locust"
@@ -266,13 +276,13 @@ def _run_scenario(scenario: Scenario, server: _Server, versions: dict, duration_
         path.unlink(missing_ok=True)
     _progress(f"backend={server.backend} scenario={scenario.name} duration={duration_s:g}s users={users} "
               f"swaps={','.join(scenario.roles) or 'none'}" + (f" every {scenario.interval_s:g}s" if scenario.roles else ""))
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOADTEST / "locustfile.py"), "--headless", "-u", str(users),
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", str(users),
            "-r", str(users), "-t", f"{duration_s:g}s", "--stop-timeout", "30", "--host", server.url,
            "--csv", str(prefix), "--only-summary"]
     stop = threading.Event()
     last_event = server.last_event_id()
     with ThreadPoolExecutor(1) as pool:
-        swapping = pool.submit(driver.run_swaps, server.url, server.token, versions, roles=scenario.roles,
+        swapping = pool.submit(swap_driver.run_swaps, server.url, server.token, versions, roles=scenario.roles,
                                modes=scenario.modes, interval_s=scenario.interval_s or duration_s,
                                duration_s=duration_s, log_path=swaps_log, stop=stop)
         try:

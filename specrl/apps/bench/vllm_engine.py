@@ -17,7 +17,7 @@ configured one, else the day-0 head with the native rows' seed: the same weights
 warmed up and timed once per batch size like the native rows. The child's weights store is
 an empty temporary directory, so the base model serves in both.
 
-    python -m specrl.bench.vllm_engine JOB.json ROWS.json   (JOB: written by `vllm_rows`)
+    python -m specrl.apps.bench.vllm_engine JOB.json ROWS.json   (JOB: written by `vllm_rows`)
 """
 
 from __future__ import annotations
@@ -40,24 +40,26 @@ VLLM_PLAIN, VLLM_SPEC = "vllm_plain", "vllm_spec"
 
 # ---- the bench process ---------------------------------------------------------------------
 def vllm_rows(settings: Settings, drafter: str, prompts: list[list[int]], batch_sizes: list[int], new_tokens: int,
-              threads: int, log_dir: Path) -> list[dict]:
-    """Run vLLM plain, then vLLM with `drafter`, each in a child process. -> their rows
-    (`engine.timed_row` rows plus `startup_s`); the children's logs go to `log_dir`."""
-    from specrl.bench.backends import settings_record, vllm_env
+              threads: int, log_dir: Path, dtypes: tuple[str, ...] = ("float32",)) -> list[dict]:
+    """Run vLLM plain, then vLLM with `drafter`, each in a child process, in each of `dtypes`
+    (rows of another dtype than float32 are named with a suffix, "_bf16"). -> their rows
+    (`engine.timed_row` rows plus `startup_s` and `dtype`); the children's logs go to `log_dir`."""
+    from specrl.apps.bench.backends import settings_record, vllm_env
 
     rows = []
     log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specrl-bench-vllm-") as tmp:
         env = {**os.environ, **vllm_env(threads), "TMPDIR": tmp}  # its exported drafters are removed with tmp
-        for name, drafter_setting in ((VLLM_PLAIN, "none"), (VLLM_SPEC, drafter)):
+        for dtype, (name, drafter_setting) in ((d, e) for d in dtypes for e in ((VLLM_PLAIN, "none"), (VLLM_SPEC, drafter))):
+            name += "" if dtype == "float32" else "_bf16"
             child = settings.replace(drafter=drafter_setting, store=str(Path(tmp) / "store"), redis_url="",
-                                     threads=threads)
+                                     threads=threads, dtype=dtype)
             job, out = Path(tmp) / f"{name}.json", Path(tmp) / f"{name}-rows.json"
             job.write_text(json.dumps({"engine": name, "settings": settings_record(child), "prompts": prompts,
                                        "batch_sizes": batch_sizes, "new_tokens": new_tokens}))
-            _run_child([sys.executable, "-m", "specrl.bench.vllm_engine", str(job), str(out)], env,
+            _run_child([sys.executable, "-m", "specrl.apps.bench.vllm_engine", str(job), str(out)], env,
                        log_dir / f"{name}.log")
-            rows += json.loads(out.read_text())
+            rows += [{**row, "dtype": dtype} for row in json.loads(out.read_text())]
     return rows
 
 
@@ -87,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
 async def _measure(name: str, settings: Settings, prompts: list[list[int]], batch_sizes: list[int],
                    new_tokens: int) -> list[dict]:
     """Start the engine; per batch size one warm-up run and one timed run -> rows."""
-    from specrl.bench.engine import timed_row
+    from specrl.apps.bench.engine import timed_row
     from specrl.serving.vllm.build import build_vllm_loop
+    from specrl.weights import WeightsStore
 
     started = time.perf_counter()
-    loop = build_vllm_loop(settings)
+    loop = build_vllm_loop(settings, WeightsStore(settings.store_path))
     await loop.ready()
     startup_s = time.perf_counter() - started
     print(f"bench engine={name} vllm_ready seconds={startup_s:.1f}", file=sys.stderr, flush=True)
@@ -110,7 +113,7 @@ async def _measure(name: str, settings: Settings, prompts: list[list[int]], batc
 
 async def _batch(loop, prompts: list[list[int]], params: SamplingParams) -> dict:
     """Submit every prompt at once, stream every output -> `engine.batch_stats`."""
-    from specrl.bench.engine import batch_stats
+    from specrl.apps.bench.engine import batch_stats
 
     started = time.perf_counter()
     requests = [loop.submit(p, params, f"bench-{time.monotonic_ns()}-{i}") for i, p in enumerate(prompts)]
@@ -125,12 +128,10 @@ async def _batch(loop, prompts: list[list[int]], params: SamplingParams) -> dict
 
     done = await asyncio.gather(*(consume(r.request_id) for r in requests))
     tokens = [t for t, _ in done]
-    speculative = loop.has_drafter
-    return batch_stats(tokens, [f for _, f in done],
-                       steps=sum(r.steps for r in requests) if speculative else sum(tokens),
-                       drafted=sum(r.drafted for r in requests) if speculative else None,
-                       accepted=sum(r.accepted for r in requests) if speculative else None,
-                       acceptance_lengths=[(r.accepted + r.steps) / max(r.steps, 1) for r in requests])
+    if not loop.has_drafter:  # without speculation vLLM reports no per-request steps: one per token
+        for request, count in zip(requests, tokens):
+            request.spec.num_steps = count
+    return batch_stats(tokens, [f for _, f in done], [r.spec for r in requests], speculative=loop.has_drafter)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""The admin API: which weights serve, which are stored, swap and roll back (bearer token).
+
+A swap verifies the stored version against its manifest, has the serving loop load and check it
+off the decode path and apply it at a step boundary, then moves the store's `current` pointer.
+One swap at a time: a second one while the first loads is refused (409). A failed swap changes
+nothing: the old weights keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
+
+from specrl.engine.swap import check_swap
+from specrl.errors import AuthError, ForbiddenError, InvalidRequestError, SpecrlError, SwapError, SwapInProgressError
+from specrl.weights.store import ROLES
+
+log = logging.getLogger("specrl.serving")
+
+
+class SwapBody(BaseModel):
+    role: str
+    version: str
+    mode: str = "drain"
+
+
+class RollbackBody(BaseModel):
+    role: str
+    mode: str = "drain"
+
+
+def require_admin(request: Request) -> None:
+    token = request.app.state.settings.admin_token
+    if not token:
+        raise ForbiddenError("the admin API is disabled: set SPECRL_ADMIN_TOKEN to enable it")
+    header = request.headers.get("authorization", "")
+    if not header.startswith("Bearer "):
+        raise AuthError("missing 'Authorization: Bearer <token>' header")
+    if not hmac.compare_digest(header[7:].encode(), token.encode()):
+        raise ForbiddenError("wrong admin token")
+
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+@router.get("/weights")
+async def list_weights(request: Request):
+    store = request.app.state.store
+    return {"serving": _serving(request), "current": {r: store.current(r) for r in ROLES},
+            "stored": {r: [m.to_dict() for m in store.versions(r)] for r in ROLES}}
+
+
+@router.post("/weights")
+async def swap_weights(body: SwapBody, request: Request):
+    return await _swap(request, body.role, body.version, body.mode)
+
+
+@router.post("/weights/rollback")
+async def rollback(body: RollbackBody, request: Request):
+    check_swap(body.role, body.mode)
+    serving = _serving(request)[body.role]
+    parent = request.app.state.store.parent(body.role, serving)
+    if parent is None:
+        raise InvalidRequestError(f"{body.role} {serving} has no parent to roll back to")
+    return await _swap(request, body.role, parent, body.mode)
+
+
+async def _swap(request: Request, role: str, version: str, mode: str) -> dict:
+    state = request.app.state
+    check_swap(role, mode)
+    if role == "drafter" and not state.loop.has_drafter:
+        raise SwapError("this server runs without a drafter (--drafter none)")
+    if state.swap_lock.locked():
+        raise SwapInProgressError("another swap is loading; retry when it is done")
+    async with state.swap_lock:
+        try:
+            directory = await asyncio.to_thread(state.store.verify, role, version)
+            result = await state.loop.swap(role, version, mode, directory)
+            await asyncio.to_thread(state.store.set_current, role, version)
+        except SpecrlError:
+            state.metrics.swaps.labels(role, "failed").inc()
+            raise
+    state.metrics.swaps.labels(role, "ok").inc()
+    log.info("swap role=%s version=%s mode=%s load_ms=%.1f swap_ms=%.1f", role, version, mode,
+             result.load_ms, result.swap_ms)
+    return {"role": role, "version": version, "mode": mode, "load_ms": round(result.load_ms, 2),
+            "swap_ms": round(result.swap_ms, 2), "serving": _serving(request)}
+
+
+def _serving(request: Request) -> dict:
+    loop = request.app.state.loop
+    return {"policy": loop.target_version, "drafter": loop.drafter_version}

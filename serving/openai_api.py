@@ -1,0 +1,154 @@
+"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when
+`stream=true`). Every response names the weight versions that produced it (`system_fingerprint`,
+and per choice the version runs) and its spec-decode counters (`metrics.speculative_decoding`,
+vLLM's shape)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from specrl.errors import InvalidRequestError, ModelNotFoundError, SpecrlError
+from specrl.serving.generation import ChoiceStream, run_choices
+from specrl.serving.protocol import (ChatCompletionRequest, CompletionRequest, error_body, fingerprint, new_id, now,
+                                     usage)
+from specrl.spec.quantities import SpecCounts
+
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/models")
+async def models(request: Request):
+    name = request.app.state.settings.model
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "specrl",
+                                        "root": name}]}
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    _check_model(request, body.model)
+    body.check_supported()
+    tokenizer = request.app.state.loop.tokenizer
+    prompts = _completion_prompts(body.prompt, tokenizer)
+    streams = [ChoiceStream(tokenizer, i * body.n + j, p, body.sampling(body.max_tokens, body.logprobs, j),
+                            chat=False, return_token_ids=body.return_token_ids)
+               for i, p in enumerate(prompts) for j in range(body.n)]
+    return await _respond(request, body, streams, "text_completion")
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    _check_model(request, body.model)
+    body.check_supported()
+    tokenizer = request.app.state.loop.tokenizer
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    max_tokens = body.max_completion_tokens or body.max_tokens or request.app.state.settings.max_seq_len - len(prompt)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    streams = [ChoiceStream(tokenizer, j, prompt, body.sampling(max_tokens, logprobs, j), chat=True,
+                            return_token_ids=body.return_token_ids) for j in range(body.n)]
+    return await _respond(request, body, streams, "chat.completion")
+
+
+def _check_model(request: Request, name: str) -> None:
+    served = request.app.state.settings.model
+    if name != served:
+        raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {served!r}")
+
+
+async def _respond(request: Request, body, streams: list[ChoiceStream], kind: str):
+    loop, metrics = request.app.state.loop, request.app.state.metrics
+    rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
+    arrival = time.perf_counter()
+    try:  # validation and saturation errors surface here, before any response starts
+        for choice in streams:
+            choice.submit(loop, f"{rid}-{choice.index}")
+    except SpecrlError:
+        for choice in streams:  # do not leave the choices already queued running for nobody
+            if choice.seq is not None:
+                loop.abort(choice.request_id)
+        raise
+    model = request.app.state.settings.model
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(loop, metrics, model, rid, kind, streams, include_usage, arrival),
+                                 media_type="text/event-stream")
+    await run_choices(loop, streams, metrics, arrival)
+    metrics.requests.labels(kind, "ok").inc()
+    return _final_body(model, rid, kind, streams)
+
+
+def _final_body(model: str, rid: str, kind: str, streams: list[ChoiceStream]) -> dict:
+    last, stats = streams[-1], _spec_stats(streams)
+    return {"id": rid, "object": kind, "created": now(), "model": model,
+            "system_fingerprint": fingerprint(last.target_version, last.drafter_version),
+            "choices": [s.final_choice() for s in streams], "usage": _usage(streams),
+            "specrl": stats, "metrics": {"speculative_decoding": stats["spec_decode"]}}
+
+
+async def _sse(loop, metrics, model: str, rid: str, kind: str, streams: list[ChoiceStream], include_usage: bool,
+               arrival: float):
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    events: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(run_choices(loop, streams, metrics, arrival, events))
+    try:
+        if kind == "chat.completion":
+            for s in streams:
+                yield _sse_line(_chunk(model, rid, chunk_kind, s, {"role": "assistant", "content": ""}, None, None))
+        done = 0
+        while done < len(streams):
+            choice, delta, logprobs, finish = await events.get()
+            if choice is None:  # the run failed: report it in-band, then end the stream
+                yield _sse_line(error_body(str(delta), "server_error"))
+                break
+            payload = ({"content": delta} if kind == "chat.completion" else delta)
+            yield _sse_line(_chunk(model, rid, chunk_kind, choice, payload, logprobs, finish))
+            done += finish is not None
+        if include_usage:
+            yield _sse_line({"id": rid, "object": chunk_kind, "created": now(), "model": model,
+                             "system_fingerprint": fingerprint(streams[-1].target_version, streams[-1].drafter_version),
+                             "choices": [], "usage": _usage(streams), "specrl": _spec_stats(streams)})
+        yield "data: [DONE]\n\n"
+        metrics.requests.labels(kind, "ok").inc()
+    finally:
+        task.cancel()
+
+
+def _chunk(model: str, rid: str, chunk_kind: str, choice: ChoiceStream, payload, logprobs, finish) -> dict:
+    entry = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish}
+    entry.update({"delta": payload} if chunk_kind == "chat.completion.chunk" else {"text": payload})
+    return {"id": rid, "object": chunk_kind, "created": now(), "model": model,
+            "system_fingerprint": fingerprint(choice.target_version, choice.drafter_version), "choices": [entry]}
+
+
+def _usage(streams: list[ChoiceStream]) -> dict:
+    prompt_tokens = sum({id(s.prompt_ids): len(s.prompt_ids) for s in streams}.values())  # n choices share a prompt
+    return usage(prompt_tokens, sum(len(s.token_ids) for s in streams))
+
+
+def _spec_stats(streams: list[ChoiceStream]) -> dict:
+    counts = SpecCounts()
+    for s in streams:
+        counts.add(s.spec)
+    return {"target_version": streams[-1].target_version, "drafter_version": streams[-1].drafter_version,
+            "versions": [s.version_runs for s in streams], "spec_decode": counts.to_dict()}
+
+
+def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p) for p in prompt]
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise InvalidRequestError("prompt must be a string, a list of strings, or token ids", param="prompt")
+
+
+def _sse_line(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

@@ -1,0 +1,193 @@
+"""`bench adapt`'s measurement side: the native engine over one target, run plain, with the
+adaptive controller (one engine per drafter measured side by side) and at a fixed k, on held-out
+prompts, outputs checked against plain decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from specrl.config import Settings
+from specrl.spec.quantities import SpecCounts
+
+FIXED_K = 4
+NEW_TOKENS = 48
+
+
+class Meter:
+    """The native engine over one target, measured side by side: plain; per drafter (the online
+    one, and a frozen copy when the run has one) the head alone ("online") and the head beside
+    the suffix index ("online+suffix"); the suffix index alone ("suffix"); and the head at a fixed
+    k = FIXED_K (its acceptance). Drafters are swapped in at a step boundary, as the server does.
+
+    The suffix index is the run's traffic as another replica sees it: `index`, fed from the event
+    stream by a `FleetFeed` the run starts (`reset_index` for each run). The measured requests
+    never join it (`Engine.index_finished = False`), so no engine drafts from another's answers to
+    the same held-out prompt."""
+
+    def __init__(self, settings: Settings):
+        from specrl.apps.bench.engine import native_engines
+
+        self.settings = settings.replace(drafter="day0", max_batch=4, max_seq_len=1024)
+        self.plain, spec = native_engines(self.settings)
+        self.target, self.tokenizer, self.day0 = spec.target, spec.tokenizer, spec.drafter
+        self.head = [self._engine(suffix_capacity=0)]
+        self.hybrid = [spec]
+        self.suffix = self._engine(drafter=None)
+        self.fixed = self._engine(fixed_draft_tokens=FIXED_K, suffix_capacity=0)
+        self.reset_index()
+        self.warm = False
+
+    def _engine(self, drafter="day0", **changes):
+        from specrl.engine.engine import Engine
+
+        return Engine(self.target, self.tokenizer, self.settings.replace(**changes),
+                      drafter=self.day0 if drafter == "day0" else drafter, plan=self.plain.plan)
+
+    def reset_index(self) -> None:
+        """A new, empty shared suffix index for the engines that use one (a new run's traffic)."""
+        from specrl.spec.suffix_index import SuffixIndex
+
+        self.index = SuffixIndex(self.settings.suffix_capacity)
+        for engine in (self.plain, *self.head, *self.hybrid, self.suffix, self.fixed):
+            self._share(engine)
+
+    def _share(self, engine) -> None:
+        """Engines with an index draft from the shared one; no engine adds its measured requests."""
+        if engine.suffix is not None:
+            engine.suffix = self.index
+        engine.index_finished = False
+
+    def encode(self, prompts: list) -> list[list[int]]:
+        from specrl.data import as_messages
+
+        return [list(self.tokenizer.apply_chat_template(as_messages(p), add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)) for p in prompts]
+
+    def drafter(self, store, version: str | None):
+        """-> (version, drafter): a store version (verified), or the day-0 head for None."""
+        from specrl.models.drafter import EagleDrafter
+
+        if version is None:
+            return "day0", self.day0
+        drafter = EagleDrafter.load(store.verify("drafter", version), self.target).eval()
+        return version, drafter.prepare_inference(self.plain.plan) if self.plain.plan is not None else drafter
+
+    def measure(self, drafters: dict, prompts: list[list[int]], batch4: bool) -> dict:
+        """drafters: label -> (version, EagleDrafter). -> {"plain": {b1, b4}, "drafters": {configuration:
+        ...}} with configurations `label` (head alone), `label+suffix` and "suffix"."""
+        from specrl.spec.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+        while len(self.head) < len(drafters):
+            self.head.append(self._engine(suffix_capacity=0))
+            self.hybrid.append(self._engine())
+            self._share(self.head[-1])
+            self._share(self.hybrid[-1])
+        engines, versions = {}, {}
+        for i, (label, (version, drafter)) in enumerate(drafters.items()):
+            engines[label], engines[label + "+suffix"] = self.head[i], self.hybrid[i]
+            versions[label] = versions[label + "+suffix"] = version
+            for engine in (self.head[i], self.hybrid[i]):
+                _use(engine, version, drafter)
+        engines["suffix"], versions["suffix"] = self.suffix, "none"
+        if not self.warm:
+            for engine in (self.plain, self.fixed, *engines.values()):
+                engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))
+            self.warm = True
+        result = {"plain": {}, "drafters": {name: {"version": versions[name]} for name in engines},
+                  "index": {"documents": self.index.documents, "tokens": self.index.tokens}}
+        for label, (version, drafter) in drafters.items():
+            result["drafters"][label].update(self._fixed_k(version, drafter, prompts, params))
+        self._batch1(engines, prompts, params, result)
+        if batch4:
+            plain = _Tally().add(*_run(self.plain, prompts, params))
+            result["plain"]["b4"] = plain.speed()
+            for name, engine in engines.items():
+                b4 = result["drafters"][name]["b4"] = _Tally().add(*_run(engine, prompts, params), plain.outputs).speed()
+                result["drafters"][name]["ratio_b4"] = b4["tokens_per_s"] / result["plain"]["b4"]["tokens_per_s"]
+        return result
+
+    def _fixed_k(self, version: str, drafter, prompts: list[list[int]], params) -> dict:
+        """Mean acceptance length at k = FIXED_K (every prompt, batched up to max_batch)."""
+        _use(self.fixed, version, drafter)
+        seconds, done, stats = _run(self.fixed, prompts, params)
+        return {"mean_acceptance_length_k4": stats.spec.mean_acceptance_length,
+                "k4_tokens_per_s": stats.tokens / seconds}
+
+    def _batch1(self, engines: dict, prompts: list[list[int]], params, result: dict) -> None:
+        """B = 1, prompt by prompt: plain, then each engine, so that background load drifts hit
+        every engine alike; also the median of the per-prompt speed ratios."""
+        plain, tallies = _Tally(), {name: _Tally() for name in engines}
+        ratios = {name: [] for name in engines}
+        for prompt in prompts:
+            seconds, [reference], stats = _run(self.plain, [prompt], params)
+            plain.add(seconds, [reference], stats)
+            for name, engine in engines.items():
+                spec_s, [done], stats = _run(engine, [prompt], params)
+                tallies[name].add(spec_s, [done], stats, [reference.output_ids])
+                ratios[name].append(len(done.output_ids) / spec_s / (len(reference.output_ids) / seconds))
+        result["plain"]["b1"] = plain.speed()
+        for name, tally in tallies.items():
+            b1 = result["drafters"][name]["b1"] = tally.speed()
+            result["drafters"][name]["ratio_b1"] = b1["tokens_per_s"] / result["plain"]["b1"]["tokens_per_s"]
+            result["drafters"][name]["ratio_b1_median"] = sorted(ratios[name])[len(prompts) // 2]
+
+
+def _use(engine, version: str, drafter) -> None:
+    """Swap `drafter` into `engine` at a step boundary (the engine is idle between measurements)."""
+    from specrl.engine.swap import SwapRequest
+
+    if engine.drafter is drafter:
+        return
+    request = SwapRequest("drafter", version, "drain", drafter, 0.0)
+    engine.request_swap(request)
+    engine.step()
+    request.done.result(timeout=0)
+
+
+@dataclasses.dataclass
+class _Counts:
+    """What a generation run added to an engine's counters."""
+
+    tokens: int
+    spec: SpecCounts
+
+
+def _run(engine, prompts: list[list[int]], params) -> tuple[float, list, _Counts]:
+    """Generate; -> (seconds, completions, the engine's counters over the run)."""
+    before = engine.stats.spec.copy()
+    started = time.perf_counter()
+    done = engine.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    return seconds, done, _Counts(sum(len(c.output_ids) for c in done), engine.stats.spec.since(before))
+
+
+@dataclasses.dataclass
+class _Tally:
+    """Generation runs added up: time, tokens, engine counters, outputs equal to a reference."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    spec: SpecCounts = dataclasses.field(default_factory=SpecCounts)
+    outputs: list = dataclasses.field(default_factory=list)
+    same: int = 0
+
+    def add(self, seconds: float, done: list, counts: _Counts, reference: list | None = None) -> "_Tally":
+        self.seconds += seconds
+        self.tokens += counts.tokens
+        self.spec.add(counts.spec)
+        outputs = [c.output_ids for c in done]
+        self.same += sum(a == b for a, b in zip(outputs, reference or outputs))
+        self.outputs += outputs
+        return self
+
+    def speed(self) -> dict:
+        spec = self.spec
+        return {"seconds": self.seconds, "tokens": self.tokens, "tokens_per_s": self.tokens / self.seconds,
+                "same_output": self.same / len(self.outputs), "tokens_per_step": spec.tokens_per_step,
+                "mean_k": spec.num_draft_tokens / spec.num_steps,
+                "mean_acceptance_length": spec.mean_acceptance_length}
+
+
+# ---- one run: processes, traffic, checkpoints ------------------------------------------------

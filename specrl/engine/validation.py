@@ -1,0 +1,21 @@
+"""A request's checks before any work is done (both serving backends)."""
+
+from __future__ import annotations
+
+from specrl.errors import InvalidRequestError
+from specrl.spec.sampling import SamplingParams
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, limit: int) -> None:
+    """Raise InvalidRequestError naming the first problem of a request."""
+    params.check()
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+    if len(prompt_ids) >= limit:
+        raise InvalidRequestError(f"the prompt has {len(prompt_ids)} tokens; the context is {limit}", param="prompt")
+    if len(prompt_ids) + params.max_tokens > limit:
+        raise InvalidRequestError(
+            f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds the context of {limit}",
+            param="max_tokens")

@@ -1,0 +1,93 @@
+"""Verify: one target forward over [pending token, d_1..d_k] per sequence, then the acceptance rule.
+
+The forward over k+1 positions gives the target's distribution p_1..p_{k+1} at each of them in
+one pass. Two rules, both exact (every emitted token follows p):
+
+- rejection sampling (`specrl.kernels.rejection_sample`, whose docstring defines accepted,
+  recovered and bonus tokens): greedy rows accept exactly the drafts equal to the argmax; sampled
+  rows accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), the best a draft distribution q
+  can do (1 - TV(p, q)), and draw the recovered token from the residual.
+- the coupled rule, for seeded sampled rows (`RowSampler.coupled`): the token at position n is
+  t_n = inverse-CDF draw of p_n with u_n, the seed's uniform for that position, whatever was
+  drafted; drafts are accepted while d_i == t_i, and the step emits t up to the first mismatch.
+  So a seed reproduces the same text with or without speculation, whatever the proposer and k.
+  A deterministic draft d is accepted with probability p(d), as under rejection sampling with a
+  one-hot q; the head drafts with the same u_n (quantile coupling), which accepts less than
+  rejection sampling does with its sampled drafts (measured on SmolLM2 logits with noise, T=1:
+  0.55 vs 0.83 per token): the price of reproducibility, paid only by seeded requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specrl.kernels import inverse_cdf_sample, rejection_sample
+from specrl.models.kv_cache import KVCache
+from specrl.models.llama import Llama
+from specrl.spec.propose import Draft
+from specrl.spec.sampling import RowSampler
+
+
+@dataclass
+class Verification:
+    """accepted [B] int64; emitted [B, K+1] int64 (accepted drafts then the target's token, -1
+    after); hidden [B, K+1, H] float32, the target's last hidden state at each verified position
+    (the drafter's next features); logits [B, K+1, V] float32 that chose each emitted token."""
+
+    accepted: torch.Tensor
+    emitted: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+def verify(target: Llama, cache: KVCache, pending: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+           draft: Draft, sampler: RowSampler) -> Verification:
+    """pending [B] int64: each row's last committed token (its next input); slots [B] int64;
+    start [B] int64: the position of the pending token (positions before it have KV)."""
+    tokens = torch.cat([pending[:, None], draft.tokens], dim=1)
+    hidden = target(tokens, slots, start, cache)
+    logits = target.logits(hidden)
+    accepted, emitted = accept(draft, sampler.probs(logits), sampler.uniforms(tokens.shape[1], start + 1), sampler)
+    return Verification(accepted, emitted, hidden, logits)
+
+
+def sample_first(target: Llama, hidden: torch.Tensor, position: int, sampler: RowSampler) -> Verification:
+    """The token after a prompt: a verify step with no drafts over the prompt's last hidden state.
+    hidden [1, H] float32; position: the new token's. -> Verification with K = 0 (hidden [1, 0, H])."""
+    last = hidden[:, None]
+    logits = target.logits(last)
+    accepted, emitted = accept(Draft.empty(1), sampler.probs(logits), sampler.uniforms(1, torch.tensor([position])),
+                               sampler)
+    return Verification(accepted, emitted, last[:, :0], logits)
+
+
+def accept(draft: Draft, probs: torch.Tensor, uniforms: torch.Tensor, sampler: RowSampler
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [B, K+1, V] float32 (the target's, temperature and top-p applied), uniforms [B, K+1]
+    -> accepted [B] int64, emitted [B, K+1] int64 (as `rejection_sample`), each row by its rule."""
+    # The engine made these distributions with softmax from finite weights (checked at load and
+    # swap): the per-step value scan (sum to 1, no NaN) would cost about as much as the sampling.
+    accepted, emitted = rejection_sample(draft.tokens, draft.probs, probs, uniforms, sampler.greedy, draft.lengths,
+                                         check_values=False)
+    coupled = sampler.coupled.nonzero().squeeze(1)
+    if coupled.numel():
+        accepted[coupled], emitted[coupled] = _coupled(draft, probs, uniforms, coupled)
+    return accepted, emitted
+
+
+def _coupled(draft: Draft, probs: torch.Tensor, uniforms: torch.Tensor, rows: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coupled rule for `rows` [R]: t = inverse-CDF(p, u) at every position, drafts accepted
+    while they equal t. -> accepted [R], emitted [R, K+1] (-1 after each row's accepted + 1)."""
+    k = draft.tokens.shape[1]
+    t = inverse_cdf_sample(probs[rows], uniforms[rows])  # [R, K+1]
+    lengths = draft.lengths[rows] if draft.lengths is not None else torch.full((len(rows),), k)
+    if k:
+        valid = torch.arange(k)[None, :] < lengths[:, None]
+        accepted = ((draft.tokens[rows] == t[:, :k]) & valid).long().cumprod(-1).sum(-1)
+    else:
+        accepted = torch.zeros(len(rows), dtype=torch.long)
+    keep = torch.arange(k + 1)[None, :] <= accepted[:, None]
+    return accepted, torch.where(keep, t, torch.full_like(t, -1))

@@ -36,13 +36,23 @@ class CacheBatch:
       otherwise with one index_copy_ at precomputed flat positions.
     """
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor, start: torch.Tensor, num_tokens: int):
-        """cache: the KVCache ([layers, S, KVH, MAX, D] k and v); slots [B], start [B] int64."""
+    def __init__(self, cache: KVCache, slots: torch.Tensor, start: torch.Tensor, num_tokens: int,
+                 lengths: torch.Tensor | None = None):
+        """cache: the KVCache ([layers, S, KVH, MAX, D] k and v); slots [B], start [B] int64;
+        lengths [B] int64: real tokens per row (None: all T). `rows` [N] int64: the flat indices
+        (b * T + t) of the real tokens when some row is shorter, else None. Padding is never
+        written to the cache, and its positions are clamped to its row's last real one (a row near
+        the end of its context may be padded past it)."""
         self.slots, self.positions = slots, start[:, None] + torch.arange(num_tokens)
+        self.rows = None
+        if lengths is not None and bool((lengths < num_tokens).any()):
+            real = torch.arange(num_tokens)[None, :] < lengths[:, None]
+            self.rows = real.reshape(-1).nonzero().squeeze(1)
+            self.positions = torch.minimum(self.positions, (start + lengths - 1)[:, None])
         first, starts = int(slots[0]), start.tolist()
         consecutive = bool(torch.equal(slots, torch.arange(first, first + len(slots))))
         same_start = all(s == starts[0] for s in starts)
-        self.length = length = max(starts) + num_tokens
+        self.length = length = int(self.positions.max()) + 1
         self.all_visible = num_tokens == 1 and same_start  # every query sees every key: no mask
         self._mask: torch.Tensor | None = None
         k, v = cache.k, cache.v
@@ -54,7 +64,7 @@ class CacheBatch:
             self._keys, self._values = k[:, lo:hi, :, :length], v[:, lo:hi, :, :length]  # [layers, B, KVH, L, D]
         else:
             self._keys, self._values = k[:, :, :, :length], v[:, :, :, :length]  # gathered per layer
-        if consecutive and same_start:
+        if consecutive and same_start and self.rows is None:
             s, e = starts[0], starts[0] + num_tokens
             self._k_dest = k[:, lo:hi, :, s:e].transpose(2, 3)  # [layers, B, T, KVH, D]
             self._v_dest = v[:, lo:hi, :, s:e].transpose(2, 3)
@@ -62,7 +72,9 @@ class CacheBatch:
         else:
             heads = torch.arange(kvh)
             flat = (slots[:, None, None] * kvh + heads[None, None, :]) * max_len + self.positions[:, :, None]
-            self._flat = flat.reshape(-1)  # [B*T*KVH] rows of k viewed as [layers, S*KVH*MAX, D]
+            if self.rows is not None:  # the real tokens only
+                flat = flat.reshape(-1, kvh).index_select(0, self.rows)
+            self._flat = flat.reshape(-1)  # [B*T*KVH] (or [N*KVH]) rows of k viewed as [layers, S*KVH*MAX, D]
             self._k_dest, self._v_dest = k.view(layers, -1, d), v.view(layers, -1, d)
         self._consecutive = consecutive
 
@@ -84,7 +96,10 @@ class CacheBatch:
             self._k_dest[layer].copy_(k)
             self._v_dest[layer].copy_(v)
         else:
-            d = k.shape[-1]
+            kvh, d = k.shape[-2:]
+            if self.rows is not None:
+                k = k.reshape(-1, kvh, d).index_select(0, self.rows)
+                v = v.reshape(-1, kvh, d).index_select(0, self.rows)
             self._k_dest[layer].index_copy_(0, self._flat, k.reshape(-1, d))
             self._v_dest[layer].index_copy_(0, self._flat, v.reshape(-1, d))
 

@@ -160,13 +160,21 @@ class DecoderLayer(nn.Module):
                 index: int = 0) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]; cos/sin [B, T, 1, D]. With a cache `batch` the new keys go to
         layer `index` of its cache at the batch's slots and attention reads the slot's history;
-        without, attention is causal over the T tokens alone (training)."""
+        without, attention is causal over the T tokens alone (training).
+
+        When the batch has rows of different lengths (`batch.rows`: the flat indices of the real
+        tokens), x is those N tokens [N, H] instead: every linear runs on them alone and only
+        attention sees the padded [B, T] layout. A verify where one row drafts 4 tokens and seven
+        draft none then costs 12 rows of matmuls, not 40 (the matmuls are compute-bound from a few
+        rows on, on these CPUs)."""
         cfg = self.cfg
         nh, kvh = cfg.num_heads, cfg.num_kv_heads
         residual = x
-        x = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        bsz, t, _ = x.shape
-        qkv = linear(x, self.qkv).view(bsz, t, nh + 2 * kvh, cfg.head_dim)
+        qkv = linear(rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv)
+        bsz, t = cos.shape[:2]
+        if batch is not None and batch.rows is not None:
+            qkv = x.new_zeros(bsz * t, qkv.shape[-1]).index_copy_(0, batch.rows, qkv)
+        qkv = qkv.view(bsz, t, nh + 2 * kvh, cfg.head_dim)
         qk = apply_rope(qkv[:, :, : nh + kvh], cos, sin)  # q and k rotated in one go
         q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + kvh:]
         if batch is None:
@@ -174,7 +182,10 @@ class DecoderLayer(nn.Module):
                                                   is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
             attn = batch.attend(index, q, k, v)
-        x = residual + linear(attn.reshape(bsz, t, nh * cfg.head_dim), self.o)
+        attn = attn.reshape(bsz, t, nh * cfg.head_dim)
+        if batch is not None and batch.rows is not None:
+            attn = attn.reshape(bsz * t, -1).index_select(0, batch.rows)
+        x = residual + linear(attn, self.o)
         gate, up = linear(rms_norm(x, self.post_norm, cfg.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down)
 
@@ -243,20 +254,27 @@ class Llama(nn.Module):
         return self.lm_head.detach()[ids]
 
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] int64 at positions start[b] .. start[b]+T-1 of slot slots[b] -> hidden [B, T, H]
-        float32 (the last layer's output before the final norm). Without a cache: whole sequences
-        from position 0, causal (the trainer's feature pass; right padding does not leak backwards)."""
+        float32 (the last layer's output before the final norm). lengths [B] int64 (with a cache):
+        row b has only lengths[b] real tokens (the rest is padding: computed by attention only, its
+        hidden states are 0). Without a cache: whole sequences from position 0, causal (the
+        trainer's feature pass; right padding does not leak backwards)."""
         x = self.embed_tokens(tokens)
         if cache is None:
             cos, sin = self.rope.tables(torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1))
             for layer in self.layers:
                 x = layer(x, cos, sin, None)
             return x
-        batch = CacheBatch(cache, slots, start, tokens.shape[1])
+        batch = CacheBatch(cache, slots, start, tokens.shape[1], lengths)
         cos, sin = self.rope.tables(batch.positions)
+        if batch.rows is not None:
+            x = x.reshape(-1, x.shape[-1]).index_select(0, batch.rows)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, i)
+        if batch.rows is not None:
+            bsz, t = tokens.shape
+            return x.new_zeros(bsz * t, x.shape[-1]).index_copy_(0, batch.rows, x).view(bsz, t, -1).float()
         return x.float()
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:

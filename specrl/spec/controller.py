@@ -10,14 +10,18 @@ cumulative confidences c_1 >= c_2 >= ... (products of the index's vote ratios) e
 1 + sum_i min(1, s * c_i), where s calibrates confidence to live acceptance (accepted over
 predicted, over recent suffix drafts).
 
-Cost. C(B, K, h): one target forward over K+1 positions for each of the B rows (K = the longest
-draft of the step; shorter rows are padded to it) plus h drafter passes when the head drafts h
-tokens. A start-up calibration gives the prior for every (B, T = K+1) and drafter pass; every
-observed step updates an exponential moving average for its (B, K, h).
+Cost. C(B, N, h): one target forward over the N = sum_b (1 + draft_b) real positions of the B
+rows (the verify packs them: a row that drafts nothing costs one position, whatever the others
+draft) plus h drafter passes when the head drafts h tokens. A start-up calibration gives the prior
+for every (B, T) with N = B * T (a packed step reads as T = N / B, interpolated) and the drafter
+pass. Observed steps scale it: per batch size, an exponential moving average of observed over
+predicted seconds (the machine's speed now, pooled over every step of that size, so that the
+curve's shape stays the calibrated one: a noisy timing of one width cannot make it look free).
 
-The plan maximises expected tokens per second, sum over rows / C(B, K, h), over the verify width
-K and the head's k, each row taking the better of its suffix draft (cut to K) and the head's
-draft, or none. Drafting must beat plain decoding by `margin` (5%): a useless drafter yields the
+The plan maximises expected tokens per second over the head's k and each row's draft: for each k,
+the rows whose whole suffix draft is worth less than the head's k tokens go to the head, and the
+others take suffix tokens, best marginal gain first (a row's gains fall along its draft), as long
+as the rate grows. Drafting must beat plain decoding by `margin` (5%): a useless drafter yields the
 same tokens, and a noisy, inflated k = 0 timing must not make drafting look better. When a
 proposer is not used, nobody learns whether it got better (a swap, traffic it now knows), so
 every `probe_every` steps without it a probe drafts one token with it (the head for the rows left
@@ -31,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 HEAD, SUFFIX, NONE = "head", "suffix", ""
+PATIENCE = 4  # suffix tokens past the best rate tried before the planner stops adding them
 
 
 def expected_tokens(accept_rate: float, k: int) -> float:
@@ -40,49 +45,94 @@ def expected_tokens(accept_rate: float, k: int) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per step by batch size B, verify width K (positions beyond the pending token) and
-    head draft length h.
+    """Seconds per step by batch size B, verified positions N (all rows together: B with no drafts)
+    and head draft length h.
 
-    `target[(B, T)]`: one target forward over T positions for B sequences (interpolated over B and
-    T between calibrated points); `draft[B]`: one drafter pass for B sequences. Observed whole
-    steps override the composed prior."""
+    `target[(B, T)]`: one target forward over T positions for each of B sequences (interpolated
+    over B and T between calibrated points); `draft[B]`: one drafter pass for B sequences;
+    `scale[B]`: observed over predicted seconds of whole steps of B sequences (moving average)."""
 
     target: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
-    observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    scale: dict[int, float] = field(default_factory=dict)
     smoothing: float = 0.2
 
-    def step_cost(self, batch: int, width: int, head_k: int | None = None) -> float:
-        """Never less than the cost of a narrower step: verifying more positions or drafting more
-        is more work, and a noisy timing must not make it look cheaper. head_k None: the head
-        drafts `width` tokens (a head-only step)."""
-        head_k = width if head_k is None else head_k
-        return max(self._raw_cost(batch, w, min(head_k, w)) for w in range(width + 1))
+    @classmethod
+    def measure(cls, target, drafter, batches: list[int], positions: list[int], repeats: int = 2) -> "CostModel":
+        """The prior, timed: a target forward (+ logits) over each T in `positions` for each B in
+        `batches`, and one drafter pass per B (when there is a drafter), on scratch KV caches."""
+        import torch
 
-    def _raw_cost(self, batch: int, width: int, head_k: int) -> float:
-        if (batch, width, head_k) in self.observed:
-            return self.observed[(batch, width, head_k)]
+        costs = cls()
+        cache = target.new_cache(max(batches), max(positions) + 1)
+        draft_cache = drafter.new_cache(max(batches), 2) if drafter is not None else None
+        with torch.inference_mode():
+            for bsz in batches:
+                slots, start = torch.arange(bsz), torch.zeros(bsz, dtype=torch.long)
+                for t in positions:
+                    tokens = torch.zeros(bsz, t, dtype=torch.long)
+                    costs.target[(bsz, t)] = _best_time(lambda: target.logits(target(tokens, slots, start, cache)),
+                                                        repeats)
+                if drafter is not None:
+                    one = torch.zeros(bsz, 1, dtype=torch.long)
+                    feats = torch.zeros(bsz, 1, target.cfg.hidden_size, dtype=target.dtype)
+                    costs.draft[bsz] = _best_time(lambda: drafter.logits(drafter(feats, one, slots, start, draft_cache)),
+                                                  repeats)
+        return costs
+
+    def step_cost(self, batch: int, width: int, head_k: int | None = None) -> float:
+        """A step where every row drafts `width` tokens, the head drafting head_k of them (None:
+        all): `verify_cost` with N = batch * (width + 1)."""
+        return self.verify_cost(batch, batch * (width + 1), width if head_k is None else head_k)
+
+    def verify_cost(self, batch: int, rows: int, head_k: int = 0, head_rows: int | None = None) -> float:
+        """A step of `batch` sequences verifying `rows` positions, the head drafting head_k tokens
+        for head_rows of them (None: all): the calibrated prior, scaled by what steps of this batch
+        size took lately."""
+        return self.scale.get(batch, 1.0) * self._prior(batch, rows, head_k, batch if head_rows is None else head_rows)
+
+    def _prior(self, batch: int, rows: int, head_k: int, head_rows: int) -> float:
         # h drafter passes: the catch-up pass over the newly verified positions yields the first
         # draft token, then h-1 single-position passes.
-        return self._interp_target(batch, width + 1) + head_k * self._interp_draft(batch)
+        return self._interp_target(batch, rows / batch) + (head_k * self._interp_draft(head_rows) if head_k else 0.0)
 
     def observe(self, batch: int, width: int, seconds: float, head_k: int | None = None) -> None:
-        key = (batch, width, width if head_k is None else head_k)
-        old = self.observed.get(key)
-        self.observed[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        """One head-only step of `batch` rows drafting `width` tokens each (head_k None: all of them)."""
+        self.observe_rows(batch, batch * (width + 1), seconds, width if head_k is None else head_k)
 
-    def _interp_target(self, batch: int, t: int) -> float:
-        """Linear interpolation over the calibrated batch sizes, then over positions."""
-        ts = sorted({tt for (_, tt) in self.target})
-        if not ts:
+    def observe_rows(self, batch: int, rows: int, seconds: float, head_k: int, head_rows: int | None = None) -> None:
+        ratio = seconds / self._prior(batch, rows, head_k, batch if head_rows is None else head_rows)
+        old = self.scale.get(batch)
+        self.scale[batch] = ratio if old is None else old + self.smoothing * (ratio - old)
+
+    def _interp_target(self, batch: int, t: float) -> float:
+        """Linear interpolation over the calibrated batch sizes, then over positions (the curve of
+        each batch size is built once: the planner asks for hundreds of points per step)."""
+        if not self.target:
             return 1.0 + 0.6 * (t > 1) + 0.1 * t  # no calibration: pessimistic (a 2+ row forward ~1.6x one row)
-        by_t = [(tt, _interpolate(sorted((b, s) for (b, t2), s in self.target.items() if t2 == tt), batch))
-                for tt in ts]
-        return _interpolate(by_t, t) if t not in ts else dict(by_t)[t]
+        memo = self.__dict__.setdefault("_curves", {})
+        key = (batch, len(self.target))
+        if key not in memo:
+            ts = sorted({tt for (_, tt) in self.target})
+            memo[key] = [(tt, _interpolate(sorted((b, c) for (b, t2), c in self.target.items() if t2 == tt), batch))
+                         for tt in ts]
+        return _interpolate(memo[key], t)
 
     def _interp_draft(self, batch: int) -> float:
         points = sorted(self.draft.items())
         return _interpolate(points, batch) if points else 0.2
+
+
+def _best_time(fn, repeats: int) -> float:
+    import time
+
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _interpolate(points: list[tuple[int, float]], x: int) -> float:
@@ -108,7 +158,7 @@ class RowOffer:
 
 @dataclass
 class StepPlan:
-    width: int  # K: the longest draft of the step (the verify forward covers K+1 positions per row)
+    width: int  # K: the longest draft of the step (rows shorter than it are packed, not padded)
     head_k: int  # tokens the head drafts for its rows (0: it does not draft)
     lengths: list[int]  # per row: draft tokens
     proposers: list[str]  # per row: HEAD, SUFFIX or NONE
@@ -119,6 +169,11 @@ class StepPlan:
     def plain(cls, batch: int) -> "StepPlan":
         return cls(0, 0, [0] * batch, [NONE] * batch)
 
+    @property
+    def rows(self) -> int:
+        """Positions the verify forward computes: each row's pending token and its drafts."""
+        return len(self.lengths) + sum(self.lengths)
+
     def rows_of(self, proposer: str) -> list[int]:
         return [b for b, p in enumerate(self.proposers) if p == proposer]
 
@@ -126,7 +181,8 @@ class StepPlan:
 class SpeculationController:
     def __init__(self, max_k: int, costs: CostModel | None = None, *, fixed_k: int | None = None,
                  initial_accept_rate: float = 0.5, decay: float = 0.9, probe_every: int = 16,
-                 max_probe_every: int = 256, margin: float = 1.05, max_suffix: int = 16):
+                 max_probe_every: int = 256, margin: float = 1.05, max_suffix: int = 16,
+                 initial_suffix_calibration: float = 0.5):
         self.max_k, self.max_suffix = max_k, max_suffix
         self.margin = margin
         self.fixed_k = fixed_k  # the head always drafts this many (benchmarks, tests); None: choose
@@ -134,12 +190,18 @@ class SpeculationController:
         self.initial_accept_rate = initial_accept_rate
         self.decay = decay
         self.min_probe_every, self.max_probe_every = probe_every, max_probe_every
-        self._suffix_accepted = self._suffix_predicted = 1.0  # calibration s starts at 1
+        # s starts at 0.5 by default, with the weight of one drafted token: measured on SmolLM2's own
+        # answers with a cold index it settled at ~0.3, and a first step trusting s = 1 verified 16
+        # positions it did not pay for.
+        self._suffix_accepted, self._suffix_predicted = initial_suffix_calibration, 1.0
         self.suffix_probe_every, self._steps_since_suffix = probe_every, 0
         self.reset()
 
-    def reset(self) -> None:
-        """Forget the head's acceptance (a new drafter was swapped in)."""
+    def reset(self, initial_accept_rate: float | None = None) -> None:
+        """Forget the head's acceptance (a new drafter was swapped in), starting again from
+        initial_accept_rate (None: the one given at construction)."""
+        if initial_accept_rate is not None:
+            self.initial_accept_rate = initial_accept_rate
         self._accepted, self._tried = self.initial_accept_rate, 1.0
         self.probe_every = self.min_probe_every
         self._steps_since_draft = 0
@@ -151,7 +213,7 @@ class SpeculationController:
 
     @property
     def suffix_calibration(self) -> float:
-        """s: accepted suffix tokens over predicted ones (moving estimate)."""
+        """s: accepted suffix tokens over the sum of their cumulative confidences (moving estimate)."""
         return self._suffix_accepted / self._suffix_predicted
 
     # ---- plan ---------------------------------------------------------------------------------
@@ -169,31 +231,43 @@ class SpeculationController:
             k = min(self.fixed_k, head_cap)
             return StepPlan(k, k, [k] * batch, [HEAD if k else NONE] * batch)
         suffix_gain = [self._suffix_gains(r) for r in rows]
-        plain_rate = batch / self.costs.step_cost(batch, 0)
-        best, best_rate = StepPlan.plain(batch), plain_rate * self.margin
-        widest = max([head_cap] + [len(g) - 1 for g in suffix_gain])
+        best, best_rate = StepPlan.plain(batch), batch / self.costs.verify_cost(batch, batch) * self.margin
         for head_k in range(head_cap + 1):
-            head_gain = expected_tokens(self.accept_rate, head_k) - 1
-            for width in range(head_k, widest + 1):
-                lengths, proposers, tokens = [], [], 0.0
-                for gains in suffix_gain:
-                    j = min(width, len(gains) - 1)
-                    if head_k and head_gain >= gains[j]:
-                        lengths.append(head_k), proposers.append(HEAD)
-                        tokens += 1 + head_gain
-                    else:
-                        lengths.append(j), proposers.append(SUFFIX if j else NONE)
-                        tokens += 1 + gains[j]
-                if max(lengths) < width:
-                    continue  # a narrower width gives the same drafts for less
-                rate = tokens / self.costs.step_cost(batch, width, head_k if HEAD in proposers else 0)
-                if rate > best_rate:
-                    best, best_rate = StepPlan(width, head_k if HEAD in proposers else 0, lengths, proposers), rate
+            plan, rate = self._best_with_head(suffix_gain, head_k)
+            if rate > best_rate:
+                best, best_rate = plan, rate
         if best.head_k == 0 and head_cap > 0 and self._steps_since_draft + 1 >= self.probe_every:
             best = self._probe(best, rows)
         if SUFFIX not in best.proposers and self._steps_since_suffix + 1 >= self.suffix_probe_every:
             best = self._probe_suffix(best, suffix_gain)
         return best
+
+    def _best_with_head(self, suffix_gain: list[list[float]], head_k: int) -> tuple[StepPlan, float]:
+        """The best plan in which the head drafts head_k tokens (0: not at all) -> (plan, tokens/s).
+        Rows go to the head when their whole suffix draft is worth less; the others take suffix
+        tokens in order of marginal gain while the rate grows (the cost grows with every position)."""
+        batch = len(suffix_gain)
+        head_gain = expected_tokens(self.accept_rate, head_k) - 1
+        on_head = [head_k > 0 and head_gain > gains[-1] for gains in suffix_gain]
+        lengths = [head_k if h else 0 for h in on_head]
+        used_head, head_rows = (head_k, sum(on_head)) if any(on_head) else (0, 0)
+        tokens, rows = batch + head_gain * head_rows, batch + sum(lengths)
+        best_lengths, best_rate = list(lengths), tokens / self.costs.verify_cost(batch, rows, used_head, head_rows)
+        marginal = sorted(((gains[i + 1] - gains[i], b) for b, gains in enumerate(suffix_gain) if not on_head[b]
+                           for i in range(len(gains) - 1)), key=lambda x: -x[0])
+        worse = 0
+        for gain, b in marginal:
+            lengths[b] += 1
+            tokens, rows = tokens + gain, rows + 1
+            rate = tokens / self.costs.verify_cost(batch, rows, used_head, head_rows)
+            if rate > best_rate:
+                best_lengths, best_rate, worse = list(lengths), rate, 0
+            else:
+                worse += 1
+                if worse == PATIENCE:  # gains only fall from here and each position costs about the same
+                    break
+        proposers = [HEAD if h else (SUFFIX if n else NONE) for h, n in zip(on_head, best_lengths)]
+        return StepPlan(max(best_lengths), used_head, best_lengths, proposers), best_rate
 
     def _suffix_gains(self, row: RowOffer) -> list[float]:
         """gains[j]: expected accepted tokens of the row's suffix draft cut to j tokens (gains[0] = 0)."""
@@ -203,11 +277,14 @@ class SpeculationController:
         return gains
 
     def _probe(self, plan: StepPlan, rows: list[RowOffer]) -> StepPlan:
-        """The plan with the head drafting one token for every row the plan leaves without a draft."""
+        """The plan with the head drafting one token for one row the plan leaves without a draft:
+        the verify is packed, so a probe costs one position and the catch-up of one row, not the
+        whole batch's (measured on SmolLM2 at B=8: a probe over every row cost 3.8x a plain step)."""
+        free = [b for b in range(len(rows)) if plan.proposers[b] == NONE and rows[b].room > 0]
+        if not free:
+            return plan
         lengths, proposers = list(plan.lengths), list(plan.proposers)
-        for b in range(len(rows)):
-            if proposers[b] == NONE:
-                lengths[b], proposers[b] = 1, HEAD
+        lengths[free[0]], proposers[free[0]] = 1, HEAD
         return StepPlan(max(plan.width, 1), 1, lengths, proposers, probe=True)
 
     def _probe_suffix(self, plan: StepPlan, suffix_gain: list[list[float]]) -> StepPlan:
@@ -232,12 +309,11 @@ class SpeculationController:
         """One finished step: its plan, wall time, each row's accepted drafts, and the cumulative
         confidences of each row's suffix draft (those of rows that used it are read)."""
         batch = len(plan.lengths)
-        self.costs.observe(batch, plan.width, seconds, plan.head_k)
+        self.costs.observe_rows(batch, plan.rows, seconds, plan.head_k, len(plan.rows_of(HEAD)))
         suffix_rows = plan.rows_of(SUFFIX)
-        for b in suffix_rows:
-            predicted = sum(min(1.0, self.suffix_calibration * c) for c in suffix[b][: plan.lengths[b]])
+        for b in suffix_rows:  # s = accepted tokens per unit of (unscaled) confidence
             self._suffix_accepted = self.decay * self._suffix_accepted + accepted[b]
-            self._suffix_predicted = self.decay * self._suffix_predicted + predicted
+            self._suffix_predicted = self.decay * self._suffix_predicted + sum(suffix[b][: plan.lengths[b]])
         if plan.suffix_probe:
             pays = any(accepted[b] for b in suffix_rows)
             self.suffix_probe_every = self.min_probe_every if pays else min(2 * self.suffix_probe_every,

@@ -47,10 +47,22 @@ def verify(target: Llama, cache: KVCache, pending: torch.Tensor, slots: torch.Te
     """pending [B] int64: each row's last committed token (its next input); slots [B] int64;
     start [B] int64: the position of the pending token (positions before it have KV)."""
     tokens = torch.cat([pending[:, None], draft.tokens], dim=1)
-    hidden = target(tokens, slots, start, cache)
-    logits = target.logits(hidden)
+    lengths = None if draft.lengths is None else draft.lengths + 1
+    hidden = target(tokens, slots, start, cache, lengths)
+    logits = _logits(target, hidden, lengths)
     accepted, emitted = accept(draft, sampler.probs(logits), sampler.uniforms(tokens.shape[1], start + 1), sampler)
     return Verification(accepted, emitted, hidden, logits)
+
+
+def _logits(target: Llama, hidden: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """hidden [B, T, H] -> logits [B, T, V], the head computed for each row's real positions only
+    (padding gets 0: read by nobody)."""
+    bsz, t, _ = hidden.shape
+    if lengths is None or bool((lengths == t).all()):
+        return target.logits(hidden)
+    real = (torch.arange(t)[None, :] < lengths[:, None]).reshape(-1).nonzero().squeeze(1)
+    rows = target.logits(hidden.reshape(bsz * t, -1).index_select(0, real))
+    return rows.new_zeros(bsz * t, rows.shape[-1]).index_copy_(0, real, rows).view(bsz, t, -1)
 
 
 def sample_first(target: Llama, hidden: torch.Tensor, position: int, sampler: RowSampler) -> Verification:

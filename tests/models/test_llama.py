@@ -82,3 +82,29 @@ def test_hf_state_roundtrips(tiny_dir):
     assert set(exported) == {k for k in original if k != "lm_head.weight"}
     for name, value in exported.items():
         assert torch.equal(value, original[name]), name
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_rows_of_different_lengths_compute_what_each_row_would_alone(tiny_dir, home, prepared):
+    """A verify batch whose rows draft different numbers of tokens: every linear runs on the real
+    tokens only, padding is never written to the cache, and a row padded past the end of its
+    context is fine."""
+    from specrl.models.calibration import Calibration
+
+    model = load_llama(tiny_dir, plan=Calibration.open(home / "calibration") if prepared else None)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 4), generator=gen)
+    start, slots, max_len = torch.tensor([5, 27]), torch.tensor([0, 1]), 28  # row 1 has room for one token
+    packed_cache, alone_cache = model.new_cache(2, max_len), model.new_cache(2, max_len)
+    for cache in (packed_cache, alone_cache):
+        context = torch.randint(0, model.cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
+        model(context, slots, torch.zeros(2, dtype=torch.long), cache)
+        model(torch.zeros(1, 22, dtype=torch.long), slots[1:], torch.tensor([5]), cache)  # row 1 up to position 26
+    with torch.inference_mode():
+        packed = model(tokens, slots, start, packed_cache, torch.tensor([4, 1]))
+        row0 = model(tokens[:1], slots[:1], start[:1], alone_cache)
+        row1 = model(tokens[1:, :1], slots[1:], start[1:], alone_cache)
+    torch.testing.assert_close(packed[0], row0[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed[1, :1], row1[0], rtol=1e-4, atol=1e-4)
+    assert (packed[1, 1:] == 0).all()
+    torch.testing.assert_close(packed_cache.k.float(), alone_cache.k.float(), rtol=1e-4, atol=1e-4)

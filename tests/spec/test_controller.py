@@ -40,14 +40,15 @@ def test_step_cost_composes_calibration():
         assert costs.step_cost(1, k) == pytest.approx(step_cost(k))
 
 
-def test_step_cost_prefers_observed_ema():
+def test_observed_steps_scale_the_calibrated_curve():
     costs = facts_costs()
-    costs.observe(1, 2, 5.0)
-    assert costs.step_cost(1, 2) == 5.0  # the first observation replaces the prior
-    costs.observe(1, 2, 3.0)
-    assert costs.step_cost(1, 2) == pytest.approx(5.0 + costs.smoothing * (3.0 - 5.0))
-    assert costs.step_cost(1, 1) == pytest.approx(step_cost(1))  # other (B, k) keep their prior
-    assert costs.step_cost(2, 2) == pytest.approx(2 * step_cost(2))
+    costs.observe(1, 2, 2 * step_cost(2))  # the machine runs at half the calibrated speed now
+    assert costs.step_cost(1, 2) == pytest.approx(2 * step_cost(2))  # the first observation sets the scale
+    assert costs.step_cost(1, 1) == pytest.approx(2 * step_cost(1))  # every width of B = 1 moves alike
+    costs.observe(1, 0, 1.0)  # then a step at the calibrated speed
+    assert costs.step_cost(1, 0) == pytest.approx((2 + costs.smoothing * (1 - 2)) * step_cost(0))
+    assert costs.step_cost(2, 2) == pytest.approx(2 * step_cost(2))  # other batch sizes keep their prior
+    assert costs.step_cost(1, 3) > costs.step_cost(1, 2) > costs.step_cost(1, 0)  # the calibrated shape
 
 
 def test_step_cost_interpolates_over_batch():
@@ -206,8 +207,13 @@ def wide_costs(batch: int = 1) -> CostModel:
     return CostModel(target={(batch, t): c for t, c in WIDE.items()}, draft={batch: 0.1})
 
 
+def trusting(*args, **kwargs) -> SpeculationController:
+    """A controller that takes the suffix index's confidences at face value (s = 1) until it learns otherwise."""
+    return SpeculationController(*args, initial_suffix_calibration=1.0, **kwargs)
+
+
 def test_a_confident_suffix_draft_is_taken_whole():
-    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
+    ctl = trusting(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
     plan = ctl.plan([RowOffer(20, [0.95] * 8)], head=True)
     assert (plan.width, plan.head_k, plan.lengths, plan.proposers) == (8, 0, [8], [SUFFIX])
 
@@ -220,15 +226,16 @@ def test_an_unconfident_suffix_draft_is_cut_or_dropped():
 
 def test_each_row_takes_the_better_proposer():
     """Row 0 has a confident suffix draft; row 1 has none, and the head accepts well."""
-    ctl = SpeculationController(4, wide_costs(2), initial_accept_rate=0.8, probe_every=10 ** 6)
+    ctl = trusting(4, wide_costs(2), initial_accept_rate=0.95, probe_every=10 ** 6)
     plan = ctl.plan([RowOffer(20, [0.99] * 6), RowOffer(20, [])], head=True)
     assert plan.proposers == [SUFFIX, HEAD]
     assert plan.lengths[0] == plan.width >= plan.lengths[1] == plan.head_k > 0
+    assert plan.rows == 2 + plan.lengths[0] + plan.lengths[1]  # packed: each row its own length
     assert plan.rows_of(HEAD) == [1] and plan.rows_of(SUFFIX) == [0]
 
 
 def test_room_caps_suffix_drafts():
-    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
+    ctl = trusting(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
     assert ctl.plan([RowOffer(3, [0.99] * 10)], head=False).lengths == [3]
     assert ctl.plan([RowOffer(0, [0.99] * 10)], head=False).proposers == [NONE]
 
@@ -242,7 +249,7 @@ def test_without_a_head_only_the_suffix_or_nothing_drafts():
 
 
 def test_suffix_calibration_follows_live_acceptance():
-    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=4, max_probe_every=64, decay=0.5)
+    ctl = trusting(4, wide_costs(), initial_accept_rate=0.0, probe_every=4, max_probe_every=64, decay=0.5)
     offer = [RowOffer(20, [0.9] * 8)]
     assert ctl.plan(offer, head=False).lengths == [8]
     for _ in range(20):  # confident drafts that are always rejected at once

@@ -1,5 +1,7 @@
-"""The HTTP app: OpenAI-compatible generation (`openai_api`), the admin weights API (`admin_api`),
-health and Prometheus metrics. Errors become OpenAI-shaped JSON in one place (`error_handlers`).
+"""The HTTP app: OpenAI-compatible generation and vLLM's /tokenize, /detokenize (`openai_api`), the
+admin weights API (`admin_api`), health (/health, and vLLM's /ping), /version and Prometheus
+metrics. Errors become OpenAI-shaped JSON in one place (`error_handlers`); with an API key set,
+`api_key.ApiKeyCheck` guards the OpenAI and tokenizer routes.
 
 The serving loop (`specrl.serving.loop.ServingLoop`: the native engine's thread or vLLM) runs the
 model; handlers only submit and await. What the routes share lives on `app.state`: `loop`,
@@ -12,11 +14,13 @@ import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from specrl import __version__
 from specrl.config import Settings
 from specrl.serving import admin_api, openai_api
+from specrl.serving.api_key import ApiKeyCheck
 from specrl.serving.error_handlers import BodyLimit, install_error_handlers
 from specrl.serving.loop import ServingLoop
 from specrl.serving.metrics import ServerMetrics
@@ -36,7 +40,10 @@ def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> Fa
     app.state.metrics, app.state.swap_lock = ServerMetrics(loop), asyncio.Lock()
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyCheck, key=settings.api_key)  # added last: runs first, before the body is read
     app.include_router(openai_api.router)
+    app.include_router(openai_api.tokens_router)
     app.include_router(admin_api.router)
 
     @app.get("/health")
@@ -44,6 +51,15 @@ def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> Fa
         if not loop.alive:
             return JSONResponse({"status": "dead", "error": repr(loop.error)}, status_code=503)
         return {"status": "ok", "target_version": loop.target_version, "drafter_version": loop.drafter_version}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (SageMaker's) liveness probe: 200 with an empty body, 503 when the engine died."""
+        return Response(status_code=200 if loop.alive else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus():

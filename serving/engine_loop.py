@@ -77,6 +77,10 @@ class EngineLoop:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.target.cfg.vocab_size
+
+    @property
     def target_version(self) -> str:
         return self.engine.target_version
 

@@ -1,4 +1,10 @@
-"""One choice of an API response: an engine request turned into text deltas, logprobs and stats."""
+"""One choice of an API response: an engine request turned into text deltas, logprobs and stats.
+
+Text is decoded from the choice's tokens as its SamplingParams say (`skip_special_tokens`,
+`spaces_between_special_tokens`; the stop string cut before it, or after it with
+`include_stop_str_in_output`), the same for both backends. `echo` (completions) is the prompt's
+text, put before the first delta and the final text.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +19,12 @@ from specrl.spec.sampling import SamplingParams
 
 class ChoiceStream:
     def __init__(self, tokenizer, index: int, prompt_ids: list[int], params: SamplingParams, *, chat: bool,
-                 return_token_ids: bool = False):
+                 return_token_ids: bool = False, echo: str = "", show_logprobs: bool = True):
+        """show_logprobs False: the log-probs were asked for internally (best_of ranks by them) and
+        stay out of the response."""
         self.tokenizer, self.index, self.prompt_ids, self.params, self.chat = tokenizer, index, prompt_ids, params, chat
-        self.return_token_ids = return_token_ids
+        self.return_token_ids, self.echo, self.show_logprobs = return_token_ids, echo, show_logprobs
+        self._echoed = False
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -32,14 +41,18 @@ class ChoiceStream:
         """-> (text delta, logprobs payload for these tokens or None, finish reason or None)."""
         self.token_ids += out.new_token_ids
         self.target_version, self.drafter_version = out.target_version, out.drafter_version
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        stops = [full.find(s) for s in self.params.stop if s in full]
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens,
+                                     spaces_between_special_tokens=self.params.spaces_between_special_tokens)
+        stops = [(full.find(s), s) for s in self.params.stop if s in full]
         if stops:
-            full = full[: min(stops)]  # the stop string itself is not returned
+            at, stop = min(stops)
+            full = full[: at + len(stop)] if self.params.include_stop_str_in_output else full[:at]
         elif not out.finished:
             full = full.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for the rest
         delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text = full if full.startswith(self.text) else self.text
+        if not self._echoed:
+            delta, self._echoed = self.echo + delta, True
         entries = self._logprob_entries(out) if out.logprobs is not None else None
         if entries is not None:
             self.logprobs += entries
@@ -63,10 +76,17 @@ class ChoiceStream:
                 "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
                 "text_offset": []}
 
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of the chosen tokens' log-probs (needs params.logprobs set)."""
+        return sum(e["logprob"] for e in self.logprobs)
+
     def final_choice(self) -> dict:
-        logprobs = self._logprobs_payload(self.logprobs) if self.params.logprobs is not None else None
+        shown = self.params.logprobs is not None and self.show_logprobs
+        logprobs = self._logprobs_payload(self.logprobs) if shown else None
         choice = {"index": self.index, "logprobs": logprobs, "finish_reason": self.finish_reason}
-        choice.update({"message": {"role": "assistant", "content": self.text}} if self.chat else {"text": self.text})
+        text = self.echo + self.text
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         if self.return_token_ids:
             choice.update(prompt_token_ids=self.prompt_ids, token_ids=self.token_ids)
         return choice

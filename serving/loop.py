@@ -18,6 +18,7 @@ from specrl.telemetry.sink import SinkCounters
 
 class ServingLoop(Protocol):
     tokenizer: object
+    vocab_size: int  # the target's vocabulary (token ids are in [0, vocab_size))
     target_version: str
     drafter_version: str
     has_drafter: bool

@@ -9,6 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from specrl.telemetry import token_use
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
 
@@ -60,6 +62,11 @@ class _LoopCollector:
         yield CounterMetricFamily("specrl_verify_steps", "Verify steps summed over sequences (k = 0 included)",
                                   value=spec.num_steps)
         yield CounterMetricFamily("specrl_prompt_tokens", "Prompt tokens admitted", value=stats.prompt_tokens)
+        # vLLM's prefix-cache counters, in prompt tokens of new requests (both backends)
+        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=stats.prefix_cache_queries)
+        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens whose KV the prefix cache provided",
+                                  value=stats.prefix_cache_hits)
         versions = GaugeMetricFamily("specrl_weight_version_info", "Weight versions serving (value 1)",
                                      labels=["role", "version"])
         versions.add_metric(["policy", self.loop.target_version], 1)
@@ -80,3 +87,12 @@ class _LoopCollector:
                                       value=telemetry.dropped)
             yield GaugeMetricFamily("specrl_telemetry_records_queued", "Event records waiting to be sent",
                                     value=telemetry.queued)
+        # The effective-token yield, the server's half: every token computed, by use; and records
+        # Redis lost in a restart after accepting them (specrl/telemetry/token_use.py).
+        uses = CounterMetricFamily(token_use.FAMILY, token_use.DOC, labels=["use"])
+        for use, count in token_use.server_uses(stats, telemetry).items():
+            uses.add_metric([use], count)
+        yield uses
+        if telemetry is not None:
+            yield CounterMetricFamily("specrl_telemetry_records_lost", "Event records Redis accepted, then lost in "
+                                      "a restart", value=getattr(telemetry, "lost", 0))

@@ -1,7 +1,11 @@
 """The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE when
-`stream=true`). Every response names the weight versions that produced it (`system_fingerprint`,
-and per choice the version runs) and its spec-decode counters (`metrics.speculative_decoding`,
-vLLM's shape)."""
+`stream=true`), and vLLM's /tokenize and /detokenize. Every response names the weight versions
+that produced it (`system_fingerprint`, and per choice the version runs) and its spec-decode
+counters (`metrics.speculative_decoding`, vLLM's shape).
+
+Completions with `best_of` sample best_of choices per prompt (with log-probs, shown only if asked
+for) and return the n with the highest cumulative log-prob, best first, as vLLM's V0 engine did;
+usage counts every sampled token."""
 
 from __future__ import annotations
 
@@ -14,18 +18,20 @@ from fastapi.responses import StreamingResponse
 
 from specrl.errors import InvalidRequestError, ModelNotFoundError, SpecrlError
 from specrl.serving.generation import ChoiceStream, run_choices
-from specrl.serving.protocol import (ChatCompletionRequest, CompletionRequest, error_body, fingerprint, new_id, now,
-                                     usage)
+from specrl.serving.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest, error_body, fingerprint, new_id, now, usage)
 from specrl.spec.quantities import SpecCounts
 
 router = APIRouter(prefix="/v1")
+tokens_router = APIRouter()  # vLLM's /tokenize and /detokenize
 
 
 @router.get("/models")
 async def models(request: Request):
-    name = request.app.state.settings.model
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "specrl",
-                                        "root": name}]}
+    settings = request.app.state.settings
+    return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0, "owned_by": "specrl",
+                                        "root": settings.model, "parent": None,
+                                        "max_model_len": settings.max_seq_len, "permission": []}]}
 
 
 @router.post("/completions")
@@ -34,10 +40,16 @@ async def completions(body: CompletionRequest, request: Request):
     body.check_supported()
     tokenizer = request.app.state.loop.tokenizer
     prompts = _completion_prompts(body.prompt, tokenizer)
-    streams = [ChoiceStream(tokenizer, i * body.n + j, p, body.sampling(body.max_tokens, body.logprobs, j),
-                            chat=False, return_token_ids=body.return_token_ids)
-               for i, p in enumerate(prompts) for j in range(body.n)]
-    return await _respond(request, body, streams, "text_completion")
+    ranked = body.samples > body.n  # best_of: rank the samples by their log-probs
+    logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
+    streams = []
+    for i, p in enumerate(prompts):
+        params = [body.sampling(body.max_tokens, logprobs, j) for j in range(body.samples)]
+        echo = _prompt_text(body.prompt, i, p, tokenizer, params[0]) if body.echo else ""
+        streams += [ChoiceStream(tokenizer, i * body.samples + j, p, params[j], chat=False, echo=echo,
+                                 return_token_ids=body.return_token_ids, show_logprobs=body.logprobs is not None)
+                    for j in range(body.samples)]
+    return await _respond(request, body, streams, "text_completion", keep=body.n if ranked else None)
 
 
 @router.post("/chat/completions")
@@ -45,13 +57,42 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_model(request, body.model)
     body.check_supported()
     tokenizer = request.app.state.loop.tokenizer
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    prompt = _chat_prompt(body.messages, tokenizer)
     max_tokens = body.max_completion_tokens or body.max_tokens or request.app.state.settings.max_seq_len - len(prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     streams = [ChoiceStream(tokenizer, j, prompt, body.sampling(max_tokens, logprobs, j), chat=True,
                             return_token_ids=body.return_token_ids) for j in range(body.n)]
     return await _respond(request, body, streams, "chat.completion")
+
+
+@tokens_router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    """vLLM's: a completion prompt or chat messages -> the token ids the model would read."""
+    if body.model is not None:
+        _check_model(request, body.model)
+    tokenizer = request.app.state.loop.tokenizer
+    if body.messages is not None:
+        tokens = _chat_prompt(body.messages, tokenizer, body.add_generation_prompt)
+    elif body.prompt is not None:
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise InvalidRequestError("tokenize takes a prompt or messages", param="prompt")
+    reply = {"count": len(tokens), "max_model_len": request.app.state.settings.max_seq_len, "tokens": tokens}
+    if body.return_token_strs:
+        reply["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+    return reply
+
+
+@tokens_router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    """vLLM's: token ids -> their text."""
+    if body.model is not None:
+        _check_model(request, body.model)
+    vocab = request.app.state.loop.vocab_size
+    outside = [t for t in body.tokens if not 0 <= t < vocab]
+    if outside:
+        raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {outside[:5]}", param="tokens")
+    return {"prompt": request.app.state.loop.tokenizer.decode(body.tokens)}
 
 
 def _check_model(request: Request, name: str) -> None:
@@ -60,7 +101,37 @@ def _check_model(request: Request, name: str) -> None:
         raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {served!r}")
 
 
-async def _respond(request: Request, body, streams: list[ChoiceStream], kind: str):
+def _chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    """Chat messages -> prompt token ids through the model's chat template."""
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                              return_dict=False))
+
+
+def _prompt_text(prompt, i: int, ids: list[int], tokenizer, params) -> str:
+    """What `echo` puts before completion i: the prompt as sent when it is text, else its decoded ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt[i]
+    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                            spaces_between_special_tokens=params.spaces_between_special_tokens)
+
+
+def _best(streams: list[ChoiceStream], samples: int, n: int) -> list[ChoiceStream]:
+    """best_of: per prompt (`samples` consecutive choices) the n with the highest cumulative
+    log-prob, best first, renumbered."""
+    shown = []
+    for start in range(0, len(streams), samples):
+        group = sorted(streams[start: start + samples], key=lambda c: c.cumulative_logprob, reverse=True)[:n]
+        shown += group
+    for index, choice in enumerate(shown):
+        choice.index = index
+    return shown
+
+
+async def _respond(request: Request, body, streams: list[ChoiceStream], kind: str, keep: int | None = None):
+    """keep: best_of's n (the best `keep` of each prompt's choices are returned; never streamed)."""
     loop, metrics = request.app.state.loop, request.app.state.metrics
     rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
     arrival = time.perf_counter()
@@ -79,14 +150,16 @@ async def _respond(request: Request, body, streams: list[ChoiceStream], kind: st
                                  media_type="text/event-stream")
     await run_choices(loop, streams, metrics, arrival)
     metrics.requests.labels(kind, "ok").inc()
-    return _final_body(model, rid, kind, streams)
+    shown = _best(streams, body.samples, keep) if keep is not None else streams
+    return _final_body(model, rid, kind, streams, shown)
 
 
-def _final_body(model: str, rid: str, kind: str, streams: list[ChoiceStream]) -> dict:
-    last, stats = streams[-1], _spec_stats(streams)
+def _final_body(model: str, rid: str, kind: str, streams: list[ChoiceStream], shown: list[ChoiceStream]) -> dict:
+    """streams: every choice run (usage, spec stats); shown: the choices returned."""
+    last, stats = streams[-1], _spec_stats(streams, shown)
     return {"id": rid, "object": kind, "created": now(), "model": model,
             "system_fingerprint": fingerprint(last.target_version, last.drafter_version),
-            "choices": [s.final_choice() for s in streams], "usage": _usage(streams),
+            "choices": [s.final_choice() for s in shown], "usage": _usage(streams),
             "specrl": stats, "metrics": {"speculative_decoding": stats["spec_decode"]}}
 
 
@@ -130,12 +203,14 @@ def _usage(streams: list[ChoiceStream]) -> dict:
     return usage(prompt_tokens, sum(len(s.token_ids) for s in streams))
 
 
-def _spec_stats(streams: list[ChoiceStream]) -> dict:
+def _spec_stats(streams: list[ChoiceStream], shown: list[ChoiceStream] | None = None) -> dict:
+    """Counters over every choice run; version runs per choice returned (`shown`, default all)."""
     counts = SpecCounts()
     for s in streams:
         counts.add(s.spec)
     return {"target_version": streams[-1].target_version, "drafter_version": streams[-1].drafter_version,
-            "versions": [s.version_runs for s in streams], "spec_decode": counts.to_dict()}
+            "versions": [s.version_runs for s in (streams if shown is None else shown)],
+            "spec_decode": counts.to_dict()}
 
 
 def _completion_prompts(prompt, tokenizer) -> list[list[int]]:

@@ -33,8 +33,10 @@ def build(settings: Settings):
         return loop, create_app(loop, settings, store)
     if settings.backend != "native":
         raise SpecrlError(f"unknown backend {settings.backend!r}: use native or vllm")
+    features = settings.record_features_max_bytes if settings.record_features else 0  # content off: the sink takes none
     sink = (RedisSink(settings.redis_url, events_stream(settings.deployment), maxlen=settings.telemetry_maxlen,
-                      content=settings.telemetry_content) if settings.redis_url else MemorySink(capacity=10_000))
+                      content=settings.telemetry_content, features_max_bytes=features)
+            if settings.redis_url else MemorySink(capacity=10_000))
     engine = Engine.from_settings(settings, sink=sink, store=store)
     fleet = (FleetFeed(settings.redis_url, events_stream(settings.deployment), settings.replica, engine.suffix,
                        deployment=settings.deployment) if settings.redis_url and engine.suffix is not None else None)

@@ -31,6 +31,8 @@ from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
 REDIS_URL = "redis://127.0.0.1:6379/0"
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 ADMIN_TOKEN = "test-admin-token"
+API_KEY = "test-api-key"  # the "bare" servers' (--api-key): their /v1 and tokenizer routes need it
+API_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 START_VERSIONS = {"policy": "base", "drafter": "day0"}  # what a server without a store serves
 # a request SmolLM2 answers at length: greedy, it ends with "length" at 160 tokens (as any tiny-random answer does)
 LONG_ANSWER = [{"role": "user", "content": "Write a long story about three colourful dragons."}]
@@ -91,7 +93,8 @@ def native_backend(tiny_dir: Path) -> Backend:
 
 def vllm_backend(smollm_dir: Path) -> Backend:
     return Backend("vllm", "smollm2-135m", smollm_dir,
-                   ("--backend", "vllm", "--model", "smollm2-135m", "--max-batch", "4"), start_timeout_s=300)
+                   ("--backend", "vllm", "--model", "smollm2-135m", "--max-batch", "4",
+                    "--fixed-draft-tokens", "4"), start_timeout_s=300)
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,10 @@ CONFIGS = {
     # the API and admin suite: a drafter, events in Redis, the admin API on
     "shared": ServerConfig(("--redis-url", REDIS_URL)),
     # every other way to start, in one server (a vLLM engine per setting would cost a minute each):
-    # no drafter, no admin token, Redis unreachable, one running and one waiting request at most
-    # (on vLLM with a KV cache sized for that one request, not the default 1 GiB)
-    "bare": ServerConfig(("--drafter", "none", "--redis-url", DEAD_REDIS_URL, "--max-batch", "1"),
+    # no drafter, no admin token, an API key, Redis unreachable, one running and one waiting request
+    # at most (on vLLM with a KV cache sized for that one request, not the default 1 GiB)
+    "bare": ServerConfig(("--drafter", "none", "--redis-url", DEAD_REDIS_URL, "--max-batch", "1",
+                          "--api-key", API_KEY),
                          {"SPECRL_MAX_WAITING": "1", "SPECRL_VLLM_KV_CACHE_MB": "256"}, admin=False),
 }
 

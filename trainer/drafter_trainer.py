@@ -1,9 +1,10 @@
 """The drafter trainer: consume reward events, learn, evaluate, publish, canary.
 
     read records (consumer group; own pending first, stale ones of dead consumers claimed)
-      -> rebuild contexts (dedupe by request, segment) -> held-out slice or training batch
-      -> target features with a frozen copy of the target at the record's version
-      -> drafter loss (objective) -> optimizer step
+      -> rebuild contexts (dedupe by request, segment) -> held-out slice or the train queue
+      -> the freshest queued examples (older ones expire) -> their target features: shipped in the
+         records, else recomputed with a frozen copy of the target at the record's version
+      -> drafter loss (objective) -> optimizer step (nothing new: replay recent examples)
       -> every few steps: checkpoint the trainer's state, then ack the records it covers
       -> every N steps or T seconds: exact greedy acceptance of candidate vs serving drafter on
          the held-out slice; publish and swap replicas if the candidate wins by a margin
@@ -12,8 +13,15 @@
 Staleness rule: records name the policy version that produced them; a record whose version is
 not the newest one seen is trained with weight 0.25 (the drafter must follow the current policy),
 and one whose version cannot be loaded from the store is skipped and acked.
-Acks come only after a checkpoint holding the optimizer step that used the records: a killed
-trainer re-reads unacked records and trains on them once (the dedupe set is in the checkpoint).
+Throughput rule (trainer/throughput.py): the freshest examples train first; one older than
+`trainer_max_age_s` when its turn comes, or pushed out of a full queue (4 x train_records), is
+expired (acked, counted); with nothing new to read, a replay step trains recent examples again.
+Acks come only after a checkpoint holding what became of the records (the optimizer step that
+used them, or the queue still holding them): a killed trainer re-reads unacked records and
+trains on them once (the dedupe set and the queue are in the checkpoint).
+Features (trainer/features.py): shipped ones need only the target's head; a record without them
+is recomputed (`trainer_recompute`), or skipped and counted; a trainer that cannot recompute
+and finds no features in the stream stops with a message naming the setting.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import copy
 import logging
 import time
 import zlib
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 import redis
@@ -32,55 +40,25 @@ from specrl.config import Settings
 from specrl.engine.start import DAY0, NO_DRAFTER, build_drafter, start_weights
 from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.models.drafter import EagleDrafter
-from specrl.models.llama import Llama, load_llama
 from specrl.spec.simulate import simulate_greedy
 from specrl.telemetry.event_log import EventLog
 from specrl.telemetry.reader import RecordReader
+from specrl.telemetry.record import SegmentRecord
+from specrl.telemetry.sink import record_tokens
+from specrl.telemetry.token_use import TRAINER_USES
 from specrl.trainer.canary import Canary
 from specrl.trainer.checkpoint import save_checkpoint
 from specrl.trainer.contexts import ContextBook, Example
-from specrl.trainer.objectives import OBJECTIVES, drafter_loss
+from specrl.trainer.features import Features, TargetPool
+from specrl.trainer.objectives import OBJECTIVES, example_loss
 from specrl.trainer.publisher import Publisher
+from specrl.trainer.throughput import Queued, Throughput, TrainQueue
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.trainer")
 STALE_WEIGHT = 0.25
-EMPTY = torch.zeros(0, dtype=torch.long)
-
-
-class TargetPool:
-    """Frozen target copies by policy version ("base" is the model directory)."""
-
-    def __init__(self, base_dir: Path, base_version: str, store: WeightsStore):
-        self.base_dir, self.base_version, self.store = base_dir, base_version, store
-        self._models: dict[str, Llama] = {}
-        self._head_rows: tuple[str | None, torch.Tensor | None] = (None, None)
-
-    def get(self, version: str) -> Llama | None:
-        if version not in self._models:
-            try:
-                directory = self.base_dir if version == self.base_version else self.store.verify("policy", version)
-                self._models = {version: load_llama(directory), **dict(list(self._models.items())[-1:])}
-            except Exception as exc:  # noqa: BLE001 - any unloadable version is skipped, with the reason logged
-                log.warning("event=target_unavailable version=%s error=%s", version, exc)
-                return None
-        return self._models[version]
-
-    @torch.no_grad()
-    def draft_logits(self, version: str, hidden: torch.Tensor, drafter: EagleDrafter) -> torch.Tensor:
-        """hidden [N, H] of the target at `version` -> its logits over the drafter's vocabulary
-        [N, V_d]: a reduced draft vocabulary needs only those rows of the head."""
-        target = self._models[version]
-        if self._head_rows[0] != version:  # the rows are copied once per target version
-            self._head_rows = (version, drafter.head_rows(target.lm_head))
-        return target.logits(hidden, self._head_rows[1])
-
-    @torch.no_grad()
-    def features(self, version: str, tokens: list[int]) -> torch.Tensor | None:
-        """-> hidden [T, H] of the target at `version` over `tokens`. No logits: the caller takes
-        them (`draft_logits`) only at the positions it trains, the head being the largest matmul."""
-        target = self.get(version)
-        return None if target is None else target(torch.tensor(tokens)[None])[0]
+QUEUE_BATCHES = 4  # the train queue holds this many optimizer steps of examples
+GAP_WAIT_MS = 30_000  # an example whose first positions' features are still missing waits this long for them
 
 
 class DrafterTrainer:
@@ -92,9 +70,11 @@ class DrafterTrainer:
             raise ValueError(f"unroll_steps must be >= 0, got {settings.unroll_steps}")
         self.settings, self.reader, self.store, self.publisher = settings, reader, store, publisher
         self.events = events or EventLog(None)
-        self.targets = TargetPool(model_dir, settings.target_version, store)
+        self.targets = TargetPool(model_dir, settings.target_version, store, recompute=settings.trainer_recompute)
         self.target_version = settings.target_version
-        base = self.targets.get(self.target_version)
+        base = self.targets.head(self.target_version)
+        if base is None:
+            raise SpecrlError(f"the target {model_dir} cannot be loaded (see the log)")
         start = start_weights(settings, model_dir, store)
         if start.drafter == NO_DRAFTER:
             raise InvalidRequestError("the drafter trainer needs a drafter to train: --drafter day0 or a directory")
@@ -103,11 +83,18 @@ class DrafterTrainer:
         self.serving = copy.deepcopy(self.drafter)  # what replicas run: the bar a candidate must beat
         self.serving.retarget(base)
         self.optimizer = torch.optim.AdamW([p for p in self.drafter.parameters() if p.requires_grad], lr=settings.lr)
-        self.book = ContextBook()
+        self.book = ContextBook(hidden_size=base.cfg.hidden_size, features_max_bytes=settings.record_features_max_bytes)
+        self.features = Features(self.targets, self.book)
+        self.queue = TrainQueue(QUEUE_BATCHES * settings.train_records, settings.trainer_max_age_s,
+                                settings.trainer_replay_records, seed=settings.seed)
+        self.throughput = Throughput(reader)
         self.heldout: deque[tuple[Example, torch.Tensor]] = deque(maxlen=32)  # with target features, computed once
         self.canary = Canary(settings.canary_tokens, settings.canary_margin)
         self.state_path = state_path
-        self.step = self.records = self.skipped = 0
+        self.step = self.records = self.skipped = self.expired = self.replays = self.replayed_records = 0
+        self.tokens: Counter[str] = Counter({use: 0 for use in TRAINER_USES})  # positions by use (token_use.py)
+        self.read_records = self.read_tokens = 0
+        self.with_features = self.without_features = 0  # records read
         self.unacked: list[str] = []
         self.history: list[dict] = []  # evaluations and publishes, for reports
         self._last_eval = time.monotonic()
@@ -135,57 +122,97 @@ class DrafterTrainer:
                 backoff, need_group = min(2 * backoff, 10.0), True
 
     def run_once(self, block_ms: int = 1000) -> int:
-        """Read one batch, train on it, maybe checkpoint+ack, evaluate and publish. -> records read."""
-        entries = self.reader.read(self.settings.train_records, block_ms) or \
-            self.reader.claim_stale(self.settings.claim_idle_ms, self.settings.train_records)
-        batch = []
+        """Read what fits the queue, train one step (the freshest examples, or a replay when nothing
+        came), maybe checkpoint+ack, evaluate and publish. -> records read + examples trained fresh
+        (0: nothing was left to do)."""
+        room = max(self.settings.train_records, self.queue.capacity - len(self.queue))
+        entries = self.reader.read(room, block_ms) or self.reader.claim_stale(self.settings.claim_idle_ms, room)
         for entry_id, record in entries:
-            self.unacked.append(entry_id)
-            self.canary.observe(record)
-            try:
-                example = self.book.add(record)
-            except ValueError as exc:
-                self.reader.dead_letter(entry_id, record.to_msgpack(), f"cannot rebuild context: {exc}")
-                self.unacked.remove(entry_id)
-                continue
-            if example is None:
-                continue
-            if self.targets.get(record.target_version) is None:
-                self.skipped += 1
-                continue
-            if record.target_version != self.target_version:  # a newer policy? (reads the store: only on change)
-                self.target_version = max(self.target_version, record.target_version, key=self._version_order)
-            if zlib.crc32(record.request_id.encode()) % 1000 < self.settings.heldout_fraction * 1000:
-                self._hold_out(example)
-            else:
-                batch.append(example)
+            self._take_in(entry_id, record)
+        if not self.targets.recompute and self.without_features and not self.with_features:
+            raise SpecrlError(f"the records on {self.reader.stream} carry no target features and this trainer has no "
+                              "target to recompute them (trainer_recompute off): serve with --record-features (not "
+                              "with --no-telemetry-content or --backend vllm), or run the trainer with --trainer-recompute")
+        now_ms = self.throughput.now_ms()
+        self._expire(self.queue.expire(now_ms))
+        batch = [q.example for q in self.queue.take(self.settings.train_records, lambda q: self._ready(q, now_ms))]
+        replay = not batch and not entries
+        if replay:
+            batch = self.queue.replay_batch(self.settings.train_records)
         if batch:
             started = time.perf_counter()
-            loss = self.train(batch)
-            self.events.write("train", step=self.step, records=self.records, loss=loss,
+            loss = self.train(batch, replay=replay)
+            self.events.write("train", step=self.step, records=self.records, loss=loss, replay=replay,
                               step_s=round(time.perf_counter() - started, 3))
             if self.step % 10 == 0:
-                log.info("event=train step=%d records=%d loss=%.4f step_s=%.2f", self.step, self.records, loss,
-                         time.perf_counter() - started)
-        if self.unacked and (not batch or self.step % self.settings.checkpoint_every_steps == 0):
+                log.info("event=train step=%d records=%d loss=%.4f step_s=%.2f replay=%s", self.step, self.records,
+                         loss, time.perf_counter() - started, replay)
+        if self.unacked and (replay or not batch or self.step % self.settings.checkpoint_every_steps == 0):
             self.save_state()
             self.reader.ack(self.unacked)
             self.unacked = []
+        self.throughput.update(self.records, self.tokens["trained"], self.read_tokens / max(self.read_records, 1),
+                               self.queue)
         self.maybe_publish()
         self.check_canary()
-        return len(entries)
+        return len(entries) + (0 if replay else len(batch))
 
-    def train(self, batch: list[Example]) -> float:
-        """One optimizer step on the examples' drafter positions."""
+    def _take_in(self, entry_id: str, record: SegmentRecord) -> None:
+        """One record read: into the book, then held out, queued or skipped. Its entry is acked at
+        the next checkpoint, whatever became of it."""
+        self.unacked.append(entry_id)
+        self.canary.observe(record)
+        try:
+            example = self.book.add(record)
+        except ValueError as exc:
+            self.reader.dead_letter(entry_id, record.to_msgpack(), f"cannot rebuild context: {exc}")
+            return
+        if example is None:
+            return
+        self.read_records += 1
+        self.read_tokens += record_tokens(record)
+        if record.features is not None:
+            self.with_features += 1
+        else:
+            self.without_features += 1
+        if self.targets.head(record.target_version) is None:
+            self.skipped += 1
+            self.tokens["unusable"] += len(example.positions)
+            return
+        if record.target_version != self.target_version:  # a newer policy? (reads the store: only on change)
+            self.target_version = max(self.target_version, record.target_version, key=self._version_order)
+        if zlib.crc32(record.request_id.encode()) % 1000 < self.settings.heldout_fraction * 1000:
+            self._hold_out(example)
+        else:
+            self._expire(self.queue.push(Queued(int(entry_id.partition("-")[0]), entry_id, example)))
+
+    def _ready(self, queued: Queued, now_ms: int) -> bool:
+        """Train it now, unless its first positions' features may still come with another record
+        (the server's prefix cache served them from a context the trainer has not read yet)."""
+        example = queued.example
+        return (example.features is None or example.complete or self.book.fill(example)
+                or now_ms - queued.arrived_ms >= GAP_WAIT_MS)
+
+    def _expire(self, items: list[Queued]) -> None:
+        self.expired += len(items)
+        self.tokens["expired"] += sum(len(q.example.positions) for q in items)
+
+    def train(self, batch: list[Example], replay: bool = False) -> float:
+        """One optimizer step on the examples' drafter positions (replay: examples trained before)."""
         self.drafter.train()
-        losses, weights = [], []
+        losses, weights, used = [], [], []
         share = max(1, self.settings.train_positions // len(batch))  # every example gets its share of positions
         for example in batch:
             positions = list(example.positions)[-share:]
-            loss = self._example_loss(example, positions) if positions else None
-            if loss is not None:
-                losses.append(loss)
-                weights.append(1.0 if example.target_version == self.target_version else STALE_WEIGHT)
+            loss = self._example_loss(example, positions, count=not replay) if positions else None
+            if loss is None:
+                self.tokens["unusable"] += 0 if replay else len(example.positions)
+                continue
+            losses.append(loss)
+            weights.append(1.0 if example.target_version == self.target_version else STALE_WEIGHT)
+            used.append(example)
+            self.tokens["replayed" if replay else "trained"] += len(positions)
+            self.tokens["truncated"] += 0 if replay else len(example.positions) - len(positions)
         if not losses:
             return float("nan")
         total = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
@@ -194,11 +221,25 @@ class DrafterTrainer:
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.optimizer.step()
         self.step += 1
-        self.records += len(losses)
+        if replay:
+            self.replays += 1
+            self.replayed_records += len(losses)
+        else:
+            self.records += len(losses)
+            self.queue.trained(used)
         return float(total.detach())
 
-    def _example_loss(self, example: Example, positions: list[int]) -> torch.Tensor | None:
-        hidden = self.targets.features(example.target_version, example.tokens)
+    def _example_features(self, example: Example, count: bool = True) -> torch.Tensor | None:
+        """-> [T-1, H] float32 (shipped or recomputed; kept on the example for replays), or None."""
+        recomputed = self.features.recomputed_tokens
+        hidden = example.features.float() if example.complete and not count else self.features.of(example)
+        self.tokens["trainer_recomputed"] += self.features.recomputed_tokens - recomputed
+        if hidden is not None and not example.complete:
+            example.features, example.feature_start = hidden.half(), 0
+        return hidden
+
+    def _example_loss(self, example: Example, positions: list[int], count: bool = True) -> torch.Tensor | None:
+        hidden = self._example_features(example, count)
         if hidden is None:
             return None
         # Standardise features once, from the first context seen: the target's hidden states have
@@ -206,47 +247,16 @@ class DrafterTrainer:
         if not self._scaled:
             self.drafter.set_feature_scale(hidden.std(0).clamp(min=1e-2))
             self._scaled = True
-        tokens = torch.tensor(example.tokens)
-        out = self.drafter(hidden[None, :-1], tokens[None, 1:])[0]  # [T-1, H]: index j predicts x_{j+2}
-        index = torch.tensor(positions)
-        # Both distributions over the draft vocabulary: with a reduced one, the target's is
-        # renormalised over it (the drafter cannot propose anything else). The target at j+1
-        # predicts x_{j+2}.
-        target_logits = self.targets.draft_logits(example.target_version, hidden[index + 1], self.drafter)
-        head = self.drafter.head_weight()
-        row_of = {p: i for i, p in enumerate(positions)}
-        rejected_rows, rejected_tokens = self._in_draft_vocab(
-            [(row_of[p], t) for p, t in example.rejected if p in row_of], width=2)
-        step_rows, step_tokens, step_returns = self._in_draft_vocab(
-            [(row_of[pos - 2], d[0], a) for pos, d, a in example.steps if d and pos - 2 in row_of], width=3)
-        loss = drafter_loss(self.settings.objective, self.drafter.head_input(out[index]), head, target_logits,
-                            rejected_rows=rejected_rows, rejected_tokens=rejected_tokens,
-                            step_rows=step_rows, step_tokens=step_tokens, step_returns=step_returns)
-        for _ in range(self.settings.unroll_steps):
-            # Training-time test: index j reads out[j-1], the drafter's own prediction of h_j, as a
-            # later draft does when serving (approximation: earlier positions are unrolled too,
-            # where serving attends to a prefix built from real features). Measured on SmolLM2:
-            # second-draft acceptance 0.044 vs 0.010 of steps after the same 50 optimizer steps.
-            out = self.drafter(torch.cat([hidden[:1], out.detach()[:-1]])[None], tokens[None, 1:])[0]
-            loss = loss + drafter_loss("kl", self.drafter.head_input(out[index]), head, target_logits,
-                                       rejected_rows=EMPTY, rejected_tokens=EMPTY, step_rows=EMPTY,
-                                       step_tokens=EMPTY, step_returns=EMPTY)
-        return loss / (1 + self.settings.unroll_steps)
-
-    def _in_draft_vocab(self, rows: list[tuple[int, ...]], width: int) -> tuple[torch.Tensor, ...]:
-        """(row, target token id, ...) tuples -> one int64 tensor per column, keeping the tuples
-        whose token is in the draft vocabulary, the token as its draft id."""
-        columns = torch.tensor(rows, dtype=torch.long).reshape(-1, width).T
-        ids = self.drafter.to_draft_ids(columns[1])
-        kept = ids >= 0
-        return (columns[0][kept], ids[kept], *(c[kept] for c in columns[2:]))
+        return example_loss(self.drafter, self.settings.objective, self.settings.unroll_steps, example, positions,
+                            hidden, lambda h: self.targets.draft_logits(example.target_version, h, self.drafter))
 
     # ---- evaluate, publish, canary -------------------------------------------------------------
     def _hold_out(self, example: Example) -> None:
         if example.start < len(example.tokens) - 1:
-            hidden = self.targets.features(example.target_version, example.tokens)
+            hidden = self._example_features(example)
             if hidden is not None:
                 self.heldout.append((example, hidden))
+                self.tokens["heldout"] += len(example.positions)
 
     def evaluate(self, drafter: EagleDrafter) -> float | None:
         """Mean tokens per verify step (exact greedy, k = eval_k) over the held-out examples."""
@@ -314,7 +324,9 @@ class DrafterTrainer:
     def save_state(self) -> None:
         state = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                  "records": self.records, "serving_version": self.serving_version, "book": self.book.state(),
-                 "history": self.history}
+                 "history": self.history, "queue": self.queue.items,
+                 "counters": {"tokens": dict(self.tokens), "expired": self.expired, "replays": self.replays,
+                              "replayed_records": self.replayed_records, "skipped": self.skipped}}
         save_checkpoint(state, self.state_path)
 
     def load_state(self) -> None:
@@ -329,6 +341,11 @@ class DrafterTrainer:
                               f"...): move it away, or use another --deployment or --consumer") from None
         self.step, self.records, self.history = state["step"], state["records"], state["history"]
         self.book.load_state(state["book"])
+        self.queue.items = list(state.get("queue", []))  # read before the checkpoint, not yet trained
+        counters = state.get("counters", {})
+        self.tokens.update(counters.get("tokens", {}))
+        self.expired, self.replays = counters.get("expired", 0), counters.get("replays", 0)
+        self.replayed_records, self.skipped = counters.get("replayed_records", 0), counters.get("skipped", 0)
         self._last_eval_step, self._scaled = self.step, True
         log.info("event=resume step=%d records=%d serving_version=%s", self.step, self.records, self.serving_version)
 

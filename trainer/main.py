@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import time
 
 from specrl.assets import resolve_model
 from specrl.config import Settings
@@ -51,25 +50,64 @@ def train_drafter(settings: Settings) -> int:
 
 
 def _metrics(port: int):
-    """Export the trainer's progress and consumer lag on /metrics when a port is given."""
+    """Export the trainer's progress, throughput matching and token uses on /metrics when a port is
+    given: read at scrape time from the trainer (its `Throughput` is measured on the trainer's thread)."""
     if port <= 0:
         return None
-    from prometheus_client import Gauge, start_http_server
+    from prometheus_client import CollectorRegistry, start_http_server
 
-    start_http_server(port, addr="127.0.0.1")
-    gauges = {name: Gauge(f"specrl_trainer_{name}", doc) for name, doc in (
-        ("consumer_lag", "Stream entries not yet delivered to the group"), ("steps", "Optimizer steps"),
-        ("records", "Records trained on"), ("skipped", "Records skipped (unloadable policy version)"),
-        ("orphans", "Segments whose earlier segments never arrived"), ("heldout", "Held-out examples kept"))}
-    last = [0.0]
+    registry = CollectorRegistry()
+    start_http_server(port, addr="127.0.0.1", registry=registry)
 
-    def update(trainer: DrafterTrainer) -> None:
-        if time.monotonic() - last[0] < 2.0:
-            return
-        last[0] = time.monotonic()
-        gauges["consumer_lag"].set(trainer.reader.lag())
-        for name, value in (("steps", trainer.step), ("records", trainer.records), ("skipped", trainer.skipped),
-                            ("orphans", trainer.book.orphans), ("heldout", len(trainer.heldout))):
-            gauges[name].set(value)
+    def register(trainer: DrafterTrainer) -> None:
+        registry.register(_TrainerCollector(trainer))
+        hook[0] = None
 
-    return update
+    hook = [register]
+    return lambda trainer: hook[0] and hook[0](trainer)
+
+
+class _TrainerCollector:
+    GAUGES = (("consumer_lag", "Stream entries not yet delivered to the group"),
+              ("lag_records", "Records waiting: not yet delivered, or read and queued"),
+              ("lag_seconds", "Age of the oldest record waiting (Redis clock; an upper bound)"),
+              ("produced_records_per_s", "Records arriving on the stream per second (last 30 s)"),
+              ("produced_tokens_per_s", "Tokens arriving on the stream per second (last 30 s)"),
+              ("consumed_records_per_s", "Records trained per second (last 30 s)"),
+              ("consumed_tokens_per_s", "Positions trained per second (last 30 s)"),
+              ("queued", "Examples read and waiting to be trained"), ("heldout", "Held-out examples kept"))
+    COUNTERS = (("steps", "Optimizer steps (replays included)"), ("records", "Records trained on (first time)"),
+                ("skipped", "Records skipped (unloadable policy version)"),
+                ("orphans", "Segments whose earlier segments never arrived"),
+                ("expired_records", "Records not trained: older than the age bound when their turn came"),
+                ("replay_steps", "Optimizer steps on replayed examples (nothing new to read)"),
+                ("replayed_records", "Examples trained again in replay steps"),
+                ("features_shipped", "Examples trained on the features their records carried"),
+                ("features_recomputed", "Examples whose features the trainer computed with its own target"))
+
+    def __init__(self, trainer: DrafterTrainer):
+        self.trainer = trainer
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from specrl.telemetry import token_use
+
+        t, flow = self.trainer, self.trainer.throughput
+        values = {"consumer_lag": flow.lag_records - len(t.queue), "lag_records": flow.lag_records,
+                  "lag_seconds": flow.lag_s, "produced_records_per_s": flow.produced_records_per_s,
+                  "produced_tokens_per_s": flow.produced_tokens_per_s,
+                  "consumed_records_per_s": flow.consumed_records_per_s,
+                  "consumed_tokens_per_s": flow.consumed_tokens_per_s, "queued": len(t.queue),
+                  "heldout": len(t.heldout), "steps": t.step, "records": t.records, "skipped": t.skipped,
+                  "orphans": t.book.orphans, "expired_records": t.expired, "replay_steps": t.replays,
+                  "replayed_records": t.replayed_records, "features_shipped": t.features.shipped,
+                  "features_recomputed": t.features.recomputed}
+        for name, doc in self.GAUGES:
+            yield GaugeMetricFamily(f"specrl_trainer_{name}", doc, value=values[name])
+        for name, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"specrl_trainer_{name}", doc, value=values[name])
+        uses = CounterMetricFamily(token_use.FAMILY, token_use.DOC, labels=["use"])
+        for use in token_use.TRAINER_USES:
+            uses.add_metric([use], t.tokens[use])
+        yield uses

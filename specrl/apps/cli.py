@@ -109,7 +109,8 @@ def generate(args: argparse.Namespace) -> int:
 def register_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API with speculative decoding")
     add_settings(p, *COMMON, *ENGINE, "backend", "host", "port", "redis_url", "store", "deployment", "replica",
-                 "telemetry_content")
+                 "telemetry_content", "api_key", "prefix_cache", "record_features", "record_features_max_bytes",
+                 "fixed_draft_tokens")
     p.set_defaults(run=serve)
 
 
@@ -147,7 +148,8 @@ def register_train_drafter(sub) -> None:
     p.add_argument("--server", action="append", default=None, help="replica URL to swap (repeatable)")
     add_settings(p, *COMMON, "model", "draft_vocab_size", "redis_url", "store", "deployment", "objective", "lr",
                  "train_records", "unroll_steps", "publish_every_s", "publish_every_steps", "consumer",
-                 "trainer_metrics_port", "trainer_events", aliases={"trainer_metrics_port": ["--metrics-port"]})
+                 "trainer_metrics_port", "trainer_events", "trainer_recompute", "trainer_max_age_s",
+                 "trainer_replay_records", "record_features_max_bytes", aliases={"trainer_metrics_port": ["--metrics-port"]})
     p.set_defaults(run=train_drafter)
 
 

@@ -9,7 +9,8 @@ from specrl.config import Settings
 
 TYPES = {"int": int, "float": float, "str": str, "Path": str}
 COMMON = ("home", "threads")
-ENGINE = ("model", "drafter", "draft_vocab_size", "max_draft_tokens", "max_batch", "suffix_capacity", "dtype")
+ENGINE = ("model", "drafter", "draft_vocab_size", "max_draft_tokens", "max_batch", "suffix_capacity", "suffix_max_tokens",
+          "dtype")
 
 
 def add_settings(parser: argparse.ArgumentParser, *names: str, aliases: dict[str, list[str]] | None = None) -> None:

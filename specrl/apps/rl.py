@@ -3,12 +3,16 @@
     server (the Generator; speculative decoding, events to Redis)   drafter trainer (follows the policy)
         ^ rollouts: n samples per task, log-probs, per-token versions          ^ events
         |                                                                      |
-    rollout thread -> Environment scores -> queue -> GRPO step -> publish policy -> swap (interrupt)
+    rollout thread -> scoring pool (Environment) -> queue -> GRPO step -> publish policy -> swap (interrupt)
 
 Rollouts are produced continuously in a background thread while the policy trains (asynchronous,
 as in slime), so a rollout can be one or more versions behind: the staleness bound in GRPO drops
-what is too old. Every `eval_every` steps the serving policy answers held-out tasks greedily and
-the environment scores them: the reward curve over policy versions. Rollouts pause while an
+what is too old. The rollout thread hands each sampled group to a bounded pool of scoring worker
+processes (`ScorePool`) and goes on sampling; GRPO takes scored groups (`RolloutPipeline`, whose
+per-stage rates and waits are in the report). The environment is any `--env` spec `make_env`
+resolves, a user's `package.module:Class` included; it is resolved, and its first tasks drawn,
+before any process starts. Every `eval_every` steps the serving policy answers held-out tasks
+greedily and the environment scores them: the reward curve over policy versions. Rollouts pause while an
 evaluation runs, so the server's counters over that stretch hold evaluation tokens only and the
 acceptance measured on rollouts is not mixed with greedy answers.
 
@@ -28,11 +32,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import logging
 import os
-import queue
 import secrets
 import sys
 import threading
@@ -50,9 +52,9 @@ from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.errors import SpecrlError
 from specrl.telemetry.event_log import EventLog, read_events
-from specrl.trainer.envs import ENVIRONMENTS, make_env, safe_score
+from specrl.trainer.envs import ENV_HELP, ScorePool, env_max_tokens, env_timeout_s, make_env, take_tasks
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
-from specrl.trainer.rollout import TEMPERATURE, RolloutClient, mean_and_ci, task_messages
+from specrl.trainer.rollout import TEMPERATURE, RolloutClient, RolloutPipeline, mean_and_ci, task_messages
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.apps.rl")
@@ -64,19 +66,29 @@ SPEED_METHOD = ("final policy; the live server (drafter, adaptive k) vs a second
 
 def register(sub) -> None:
     p = sub.add_parser("rl", help="the policy RL loop: server + rollouts + GRPO + drafter trainer; writes a report")
-    p.add_argument("--env", required=True, choices=list(ENVIRONMENTS))
+    add_env_flags(p)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
     p.add_argument("--tasks-per-step", type=int, default=4)
     p.add_argument("--publish-every", type=int, default=2, help="GRPO steps per published policy")
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-tasks", type=int, default=24)
-    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--policy-lr", type=float, default=2e-6)
     p.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
     p.add_argument("--out", default=None, help="run directory (default <home>/runs/rl-<env>-<time>)")
     add_settings(p, *COMMON, "redis_url", "port", "model", "deployment")
     p.set_defaults(run=run)
+
+
+def add_env_flags(p) -> None:
+    """--env and the flags that follow it (shared with eval-policy)."""
+    p.add_argument("--env", default="humaneval", help=f"the environment (default humaneval): {ENV_HELP}")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="completion tokens per sample (default: the environment's max_tokens, else 64)")
+    p.add_argument("--score-workers", type=int, default=4, help="scoring worker processes")
+    p.add_argument("--score-timeout", type=float, default=None,
+                   help="seconds one score may take before it is cut and scores 0 (default: the environment's "
+                        "timeout_s, else 10)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,19 +97,28 @@ def run(args: argparse.Namespace) -> int:
     run_rl(settings_from(args).with_env_redis(), env_name=args.env, minutes=args.minutes, group_size=args.group_size,
            tasks_per_step=args.tasks_per_step, publish_every=args.publish_every, eval_every=args.eval_every,
            eval_tasks=args.eval_tasks, max_tokens=args.max_tokens,
-           config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag), out_dir=args.out)
+           config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag), out_dir=args.out,
+           score_workers=args.score_workers, score_timeout_s=args.score_timeout)
     return 0
 
 
 def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int = 4, tasks_per_step: int = 4,
-           publish_every: int = 2, eval_every: int = 4, eval_tasks: int = 24, max_tokens: int = 64,
+           publish_every: int = 2, eval_every: int = 4, eval_tasks: int = 24, max_tokens: int | None = None,
            config: GRPOConfig | None = None, out_dir: str | None = None, window_tokens: int = 256,
-           sample_every_s: float = 1.0, speed_tasks: int = 8, speed_rounds: int = 2) -> dict:
-    """`window_tokens`: the acceptance window of the recovery measure (`rl_report.acceptance_recovery`);
+           sample_every_s: float = 1.0, speed_tasks: int = 8, speed_rounds: int = 2, score_workers: int = 4,
+           score_timeout_s: float | None = None) -> dict:
+    """`env_name`: a `make_env` spec; `max_tokens`, `score_timeout_s`: None for the environment's own;
+    `window_tokens`: the acceptance window of the recovery measure (`rl_report.acceptance_recovery`);
     `speed_tasks` x `speed_rounds`: the rollout speed measurement at the end (`_measure_speed`)."""
-    run_dir = Path(out_dir) if out_dir else settings.home / "runs" / time.strftime(f"rl-{env_name}-%Y%m%d-%H%M%S")
+    cache_dir = settings.home / "cache"
+    env = make_env(env_name, cache_dir=cache_dir)  # a spec that does not resolve: one line, before any process
+    heldout = take_tasks(env, env_name, "heldout", settings.seed, max(eval_tasks, speed_tasks))
+    take_tasks(env, env_name, "train", settings.seed, 1)
+    max_tokens = max_tokens or env_max_tokens(env)
+    timeout_s = score_timeout_s or env_timeout_s(env)
+    tag = env_name.replace(":", "-").replace("/", "-")
+    run_dir = Path(out_dir) if out_dir else settings.home / "runs" / time.strftime(f"rl-{tag}-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = make_env(env_name)
     model_dir = resolve_model(settings.model, settings.home)
     settings = with_deployment_store(settings)
     store = _resumable_store(settings)
@@ -106,21 +127,21 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
     env_vars = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
     common = ["--model", settings.model, "--redis-url", redis.url, "--deployment", settings.deployment,
               "--store", str(settings.store_path)]
-    children, stop, pause = [], threading.Event(), _Pause()
-    report = {"command": sys.argv, "env": env_name, "model": settings.model, "steps": [], "evals": [], "samples": [],
-              "publishes": []}
+    children, stop, pause, failed, pool = [], threading.Event(), _Pause(), [], None
+    report = {"command": sys.argv, "env": env_name, "model": settings.model, "max_tokens": max_tokens,
+              "heldout_tasks": len(heldout), "steps": [], "evals": [], "samples": [], "publishes": []}
     events = EventLog(run_dir / "rl-events.jsonl")  # grpo_step, eval, policy_swap: what reports read
     try:
+        pool = ScorePool(env_name, workers=score_workers, timeout_s=timeout_s, cache_dir=cache_dir)
         _start_children(children, settings, common, env_vars, url, run_dir)
         trainer = GRPOTrainer(model_dir, config or GRPOConfig(), state_path=policy_state_path(settings), store=store)
         if trainer.version != (store.current("policy") or trainer.published[0]):  # resumed past the served one
             _swap_policy(url, token, trainer.version)
         client = RolloutClient(url, settings.model, n=group_size, max_tokens=max_tokens)
-        rollouts: queue.Queue = queue.Queue(maxsize=2 * tasks_per_step)
-        heldout = list(itertools.islice(env.tasks("heldout", settings.seed), max(eval_tasks, speed_tasks)))
+        pipeline = RolloutPipeline(pool, max_scoring=2 * tasks_per_step, max_scored=2 * tasks_per_step)
         started, started_wall = time.monotonic(), time.time()
         samples = _Samples(url, started, report["samples"])
-        producer = threading.Thread(target=_produce, args=(env, client, rollouts, stop, pause, settings.seed),
+        producer = threading.Thread(target=_produce, args=(env, client, pipeline, stop, pause, settings.seed, failed),
                                     daemon=True)
         sampler = threading.Thread(target=samples.run, args=(stop, sample_every_s), daemon=True)
         producer.start()
@@ -128,20 +149,31 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
 
         def evaluate() -> dict:  # rollouts held back: the interval holds evaluation tokens only
             with pause, samples.evaluation():
-                result = _evaluate(env, client, heldout[:eval_tasks], trainer.version, started)
+                result = _evaluate(pool, client, heldout[:eval_tasks], trainer.version, started)
             events.write("eval", **result)
             return result
 
         report["evals"].append(evaluate())
-        while time.monotonic() - started < minutes * 60 and all(c.poll() is None for c in children):
-            if _grpo_step(trainer, [r for _ in range(tasks_per_step) for r in rollouts.get()], started, report, events):
-                if trainer.steps % publish_every == 0:
-                    _publish(trainer, store, url, token, report, started, samples, events)
-                if trainer.steps % eval_every == 0:
-                    report["evals"].append(evaluate())
+        pipeline.start()  # the stages' clocks start with training
+        deadline = started + minutes * 60
+        while not failed and all(c.poll() is None for c in children):
+            batch = pipeline.take(tasks_per_step, deadline)
+            if batch is None:
+                break
+            began = time.monotonic()
+            trained = _grpo_step(trainer, batch, started, report, events)
+            if trained and trainer.steps % publish_every == 0:
+                _publish(trainer, store, url, token, report, started, samples, events)
+            pipeline.trained(time.monotonic() - began)
+            if trained and trainer.steps % eval_every == 0:
+                report["evals"].append(evaluate())
+        report["pipeline"] = pipeline.stats()
+        if failed:
+            raise SpecrlError(f"the rollout thread failed: {failed[0]}")
         report["evals"].append(evaluate())
         report["rollout_tokens_per_s"] = client.tokens / client.seconds if client.seconds else None
         stop.set()
+        pipeline.stop()
         producer.join()  # the rollout in flight finishes; no other starts
         sampler.join()
         terminate(children[1])  # the drafter trainer: nothing but the measured requests runs from here
@@ -150,6 +182,8 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
                                          rounds=speed_rounds)
     finally:
         stop.set()
+        if pool is not None:
+            pool.close()
         for child in reversed(children):
             terminate(child)
         redis.stop()
@@ -320,7 +354,10 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         terminate(server)
     arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
                    "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0} for name, c in clients.items()}
-    arms["with_speculation"]["tokens_per_step"] = rates(before, after)["tokens_per_step"]
+    served = rates(before, after)  # tokens per step, and by proposer (the suffix index, the head)
+    arms["with_speculation"].update({k: served[k] for k in ("tokens_per_step", "speedup", "suffix_acceptance_rate",
+                                                            "head_acceptance_rate", "suffix_draft_tokens_per_s",
+                                                            "head_draft_tokens_per_s")})
     off = arms["without_speculation"]["tokens_per_s"]
     return {**arms, "ratio": arms["with_speculation"]["tokens_per_s"] / off if off else None,
             "policy": after["policy"], "policy_without": plain["policy"], "drafter": after["drafter"],
@@ -328,24 +365,32 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
             "rounds": rounds, "method": SPEED_METHOD}
 
 
-def _produce(env, client: RolloutClient, out: queue.Queue, stop: threading.Event, pause: _Pause, seed: int) -> None:
-    """Sample and score groups continuously; the queue bound keeps them from running far ahead."""
-    for group, task in enumerate(env.tasks("train", seed)):
-        try:
-            with pause.rollout(stop):
-                if stop.is_set():
-                    return
-                rollouts = client.sample(env, task, group, lambda e, t, text: safe_score(e, t, text, timeout_s=10.0))
-        except OSError as exc:
-            log.warning("event=rollout_failed error=%r", exc)
-            stop.wait(1.0)
-            continue
-        while not stop.is_set():
+def _produce(env, client: RolloutClient, pipeline: RolloutPipeline, stop: threading.Event, pause: _Pause,
+             seed: int, failed: list) -> None:
+    """Sample groups continuously and hand each to the scoring pool; the pipeline's bounds keep
+    sampling from running far ahead of scoring and training. A task stream that raises or ends
+    is recorded in `failed` (the run stops with it)."""
+    try:
+        for group, task in enumerate(env.tasks("train", seed)):
+            held = time.monotonic()
             try:
-                out.put(rollouts, timeout=0.5)
-                break
-            except queue.Full:
+                with pause.rollout(stop):
+                    if stop.is_set():
+                        return
+                    began = time.monotonic()
+                    rollouts = client.sample(task, group)
+            except OSError as exc:
+                log.warning("event=rollout_failed error=%r", exc)
+                stop.wait(1.0)
                 continue
+            done = time.monotonic()
+            if not pipeline.hand_off(task, rollouts, busy_s=done - began, paused_s=began - held):
+                return
+        failed.append("the environment's train task stream ended (tasks() must be endless)")
+    except Exception as exc:  # noqa: BLE001 - a user's task stream: the run ends with its reason
+        log.error("event=rollout_thread_failed error=%r", exc)
+        failed.append(f"{type(exc).__name__}: {exc}")
+    pipeline.stop()
 
 
 def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, report: dict, started: float,
@@ -374,15 +419,16 @@ def _swap_policy(url: str, token: str, version: str) -> dict:
         return json.loads(resp.read())
 
 
-def _evaluate(env, client: RolloutClient, tasks: list, version: str, started: float) -> dict:
+def _evaluate(pool: ScorePool, client: RolloutClient, tasks: list, version: str, started: float) -> dict:
     """Greedy answers of the serving policy on held-out tasks -> mean reward with a 95% CI."""
-    def reward(task) -> float:
-        data = client.complete(task_messages(task), n=1, temperature=0.0)
-        return safe_score(env, task, data["choices"][0]["message"]["content"], timeout_s=10.0).reward
+    def answer(task) -> str:
+        return client.complete(task_messages(task), n=1, temperature=0.0)["choices"][0]["message"]["content"]
 
-    with ThreadPoolExecutor(8) as pool:  # concurrent requests: the server batches them
-        rewards = list(pool.map(reward, tasks))
+    with ThreadPoolExecutor(8) as requests:  # concurrent requests: the server batches them
+        texts = list(requests.map(answer, tasks))
+    scores = pool.score_each(tasks, texts)
+    rewards = [s.reward for s in scores]
     mean, ci = mean_and_ci(rewards)
     log.info("event=eval policy=%s reward=%.3f ci95=%.3f n=%d", version, mean, ci, len(rewards))
     return {"t": round(time.monotonic() - started, 1), "policy": version, "reward": mean, "ci95": ci,
-            "n": len(rewards)}
+            "n": len(rewards), "errors": sum(s.error is not None for s in scores)}

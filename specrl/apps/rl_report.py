@@ -1,5 +1,7 @@
 """The report of a `specrl rl` run: held-out reward per policy version, acceptance length over time
-with its recovery after each policy swap, and rollout tokens/s with and without speculation.
+with its recovery after each policy swap, rollout tokens/s with and without speculation, and the
+pipeline's stages side by side (generator rollouts/s, environment scores/s, trainer samples/s, and
+the seconds each waited for another: `trainer.rollout.RolloutPipeline.stats`).
 
 Acceptance recovery is computed from the server's /metrics counters, sampled during the run
 (`specrl.apps.scrape.sample_metrics`: `tokens` = specrl_generation_tokens_total, `steps` =
@@ -19,6 +21,7 @@ from pathlib import Path
 from specrl.spec.quantities import tokens_per_step
 
 TOLERANCE = 0.10  # "back within 10% of the pre-swap value"
+STAGES = (("generator", "rollouts"), ("environment", "scores"), ("trainer", "samples"))
 
 
 def acceptance_recovery(samples: list[dict], *, window_tokens: int, tolerance: float = TOLERANCE) -> list[dict]:
@@ -133,7 +136,26 @@ def summary_lines(report: dict) -> list[str]:
                      f"{speed['rounds']} rounds, policy {speed['policy']})")
     elif "error" in speed:
         lines.append(f"rollout tokens/s with and without speculation: not measured ({speed['error']})")
+    return lines + pipeline_lines(report.get("pipeline"))
+
+
+def pipeline_lines(pipeline: dict | None) -> list[str]:
+    """The stages side by side: count, rate, busy seconds, and seconds waited for each neighbour."""
+    if not pipeline:
+        return []
+    lines = [f"pipeline over {pipeline['seconds']:.0f} s of training (environment seconds per worker):"]
+    for stage, unit in STAGES:
+        s = pipeline["stages"][stage]
+        rate = s[f"{unit}_per_s"]
+        waits = ", ".join(f"{seconds:.1f} s for the {other}" for other, seconds in s["waited_s"].items())
+        extra = f" ({s['workers']} workers, {s['timeouts']} timeouts)" if stage == "environment" else ""
+        lines.append(f"  {stage:<11} {s[unit]:6d} {unit:<8} {_fmt_rate(rate)}/s  busy {s['busy_s']:7.1f} s  "
+                     f"waited {waits}{extra}")
     return lines
+
+
+def _fmt_rate(rate: float | None) -> str:
+    return "     -" if rate is None else f"{rate:6.2f}"
 
 
 def _drafter_tau(report: dict) -> list[dict]:
@@ -151,7 +173,7 @@ def _plot(path: Path, report: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 9), gridspec_kw={"height_ratios": [2, 2, 1]})
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(4, 1, figsize=(9, 11), gridspec_kw={"height_ratios": [2, 2, 1, 1]})
     evals = report["evals"]
     ax1.errorbar(range(len(evals)), [e["reward"] for e in evals], yerr=[e["ci95"] or 0 for e in evals], marker="o")
     ax1.set_xticks(range(len(evals)), [e["policy"] for e in evals], fontsize=7)
@@ -183,6 +205,29 @@ def _plot(path: Path, report: dict) -> None:
     else:
         ax3.set_title("rollout tokens/s: not measured", fontsize=9)
     ax3.set_xlabel("tokens/s")
+    _plot_pipeline(ax4, report.get("pipeline"))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_pipeline(ax, pipeline: dict | None) -> None:
+    """One bar per stage: seconds busy, then seconds waited for each other stage, its rate as the label."""
+    if not pipeline:
+        ax.set_title("pipeline stages: not measured", fontsize=9)
+        return
+    colours = {"generator": "tab:blue", "environment": "tab:green", "trainer": "tab:purple"}
+    names = [stage for stage, _ in STAGES]
+    for row, (stage, unit) in enumerate(STAGES):
+        s = pipeline["stages"][stage]
+        ax.barh(row, s["busy_s"], color=colours[stage])
+        left = s["busy_s"]
+        for other, seconds in s["waited_s"].items():
+            ax.barh(row, seconds, left=left, color=colours[other], alpha=0.35, hatch="//", edgecolor="white")
+            left += seconds
+        rate = s[f"{unit}_per_s"]
+        ax.text(left, row, f"  {_fmt_rate(rate).strip()} {unit}/s", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel(f"seconds of {pipeline['seconds']:.0f} s training: solid busy, hatched waiting for the stage of "
+                  "that colour (environment: per worker)", fontsize=8)
+    ax.set_title("pipeline: generator rollouts/s, environment scores/s, trainer samples/s", fontsize=9)

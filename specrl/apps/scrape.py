@@ -1,5 +1,5 @@
-"""A live server seen from outside: /metrics and /health sampled, and rates between two samples
-(`specrl up`'s status line, the RL report, `bench adapt`). HTTP only."""
+"""A live server (and a drafter trainer) seen from outside: /metrics and /health sampled, and rates
+between two samples (`specrl up`'s status line, the RL report, `bench adapt`). HTTP only."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 from specrl.spec.quantities import acceptance_rate, tokens_per_step
+from specrl.telemetry.token_use import token_yield
 
 METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
            "vllm:spec_decode_num_accepted_tokens_total": "accepted", "specrl_generation_tokens_total": "tokens",
@@ -16,20 +17,59 @@ METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_
            "specrl_plain_equivalent_seconds_total": "plain_s"}
 BY_PROPOSER = re.compile(r'specrl_spec_decode_(num_draft_tokens|num_accepted_tokens)_total\{proposer="(\w+)"\} (\S+)')
 PROPOSERS = ("head", "suffix")
+TOKEN_USES = re.compile(r'specrl_tokens_total\{use="(\w+)"\} (\S+)')
+TRAINER = {"specrl_trainer_produced_records_per_s": "produced_records_per_s",
+           "specrl_trainer_produced_tokens_per_s": "produced_tokens_per_s",
+           "specrl_trainer_consumed_records_per_s": "consumed_records_per_s",
+           "specrl_trainer_consumed_tokens_per_s": "consumed_tokens_per_s",
+           "specrl_trainer_lag_records": "lag_records", "specrl_trainer_lag_seconds": "lag_s",
+           "specrl_trainer_expired_records_total": "expired", "specrl_trainer_replay_steps_total": "replays",
+           "specrl_trainer_records_total": "trained_records", "specrl_trainer_steps_total": "steps"}
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:
+        return None
+
+
+def token_uses(text: str) -> dict[str, float]:
+    """`specrl_tokens_total{use=...}` of one /metrics page -> {use: tokens}."""
+    return {m.group(1): float(m.group(2)) for m in map(TOKEN_USES.match, text.splitlines()) if m}
+
+
+def sample_trainer(url: str) -> dict | None:
+    """-> the drafter trainer's throughput matching (TRAINER's short names) and token uses, or None
+    when its metrics port does not answer."""
+    text = _get(url + "/metrics")
+    if text is None:
+        return None
+    sample = {"uses": token_uses(text)}
+    for line in text.splitlines():
+        name = line.split(" ")[0]
+        if name in TRAINER:
+            sample[TRAINER[name]] = float(line.split()[-1])
+    return sample
+
+
+def yield_of(server: dict | None, trainer: dict | None) -> dict:
+    """The effective-token yield (specrl/telemetry/token_use.py) over both processes' token uses
+    so far: computed, useful, yield, trained_share and the uses themselves."""
+    uses = {**((server or {}).get("uses") or {}), **((trainer or {}).get("uses") or {})}
+    return {**token_yield(uses), "uses": uses}
 
 
 def sample_metrics(url: str, started: float) -> dict | None:
     """-> the server's counters (METRICS' short names), ok requests and serving versions at `t`
     seconds since `started` (monotonic), or None when it does not answer."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-            health = json.loads(resp.read())
-    except OSError:
+    text, health = _get(url + "/metrics"), _get(url + "/health")
+    if text is None or health is None:
         return None
+    health = json.loads(health)
     sample = {"t": round(time.monotonic() - started, 2), "drafter": health.get("drafter_version"),
-              "policy": health.get("target_version")}
+              "policy": health.get("target_version"), "uses": token_uses(text)}
     for line in text.splitlines():
         name = line.split(" ")[0]
         if name in METRICS:

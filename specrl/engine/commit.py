@@ -27,13 +27,14 @@ def commit_tokens(seq: Sequence, emitted: list[int], eos_ids: frozenset[int], to
     before = len(seq.output_ids)
     seq.output_ids.extend(visible)
     # A stop string also wins over a stop token or max_tokens reached later in the same step.
-    if visible and seq.params.stop and stop_string_hit(seq.output_ids, seq.params.stop, tokenizer):
+    skip = seq.params.skip_special_tokens
+    if visible and seq.params.stop and stop_string_hit(seq.output_ids, seq.params.stop, tokenizer, skip):
         # The first token that completes a stop string: text only grows as tokens are added, so
         # a bisection over the step's tokens finds it in log2(len) decodes.
         lo, hi = 1, len(visible)
         while lo < hi:
             mid = (lo + hi) // 2
-            if stop_string_hit(seq.output_ids[: before + mid], seq.params.stop, tokenizer):
+            if stop_string_hit(seq.output_ids[: before + mid], seq.params.stop, tokenizer, skip):
                 hi = mid
             else:
                 lo = mid + 1
@@ -56,8 +57,10 @@ def stop_check(seq: Sequence, emitted: list[int], eos_ids: frozenset[int]) -> tu
     return visible, None
 
 
-def stop_string_hit(token_ids: list[int], stops: tuple[str, ...], tokenizer) -> bool:
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+def stop_string_hit(token_ids: list[int], stops: tuple[str, ...], tokenizer,
+                    skip_special_tokens: bool = True) -> bool:
+    """Whether the text of `token_ids` (decoded as the client sees it) holds a stop string."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
     return any(s in text for s in stops)
 
 

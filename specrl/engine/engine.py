@@ -18,6 +18,7 @@ import torch
 from specrl.config import Settings
 from specrl.engine.commit import commit_tokens, token_logprobs
 from specrl.engine.outputs import Completion, EngineStats, StepOutput
+from specrl.engine.prefix_cache import PrefixCache
 from specrl.engine.scheduler import Scheduler
 from specrl.engine.sequence import Sequence, Status
 from specrl.engine.start import DAY0, build_drafter, start_weights
@@ -51,7 +52,11 @@ class Engine:
         self.targets: dict[str, Llama] = {settings.target_version: target}
         self.cache = target.new_cache(settings.max_batch, settings.max_seq_len)
         self.draft_cache = drafter.new_cache(settings.max_batch, settings.max_seq_len) if drafter else None
-        self.scheduler = Scheduler(settings.max_batch, settings.prefill_chunk, settings.max_waiting)
+        self.stats = EngineStats()
+        # Finished and running sequences' KV serves prompts that start the same way (None: off).
+        self.prefix = (PrefixCache([c for c in (self.cache, self.draft_cache) if c is not None], self.stats,
+                                   drafter=drafter is not None) if settings.prefix_cache else None)
+        self.scheduler = Scheduler(settings.max_batch, settings.prefill_chunk, settings.max_waiting, self.prefix)
         self.target_version, self.drafter_version = settings.target_version, settings.drafter_version
         eos = set(target.cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.eos_ids = frozenset(eos)
@@ -60,7 +65,6 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._swap_lock = threading.Lock()
         self._pending_swap: SwapRequest | None = None
-        self.stats = EngineStats()
         # What traffic already said: finished requests here (and, through the event stream, on
         # other replicas) and each request's own prompt and output.
         self.suffix = SuffixIndex(settings.suffix_capacity) if settings.suffix_capacity > 0 else None
@@ -217,7 +221,8 @@ class Engine:
         draft_tokens, draft_logprobs = draft.row(row)
         position = seq.prompt_len + len(seq.output_ids)
         seq.segments.add(StepRecord(position, len(draft_tokens), draft_tokens, draft_logprobs, accepted, emitted[-1],
-                                    proposer), emitted, seq.target_version, self.drafter_version)
+                                    proposer), emitted, seq.target_version, self.drafter_version,
+                         features=result.hidden[row, : accepted + 1])  # positions position-1.., if the sink takes them
         seq.pending_token = emitted[-1]
         seq.spec.count(len(draft_tokens), accepted)
         self.stats.count(proposer, len(draft_tokens), accepted)
@@ -235,14 +240,19 @@ class Engine:
         return self._output(seq, visible, logprobs)
 
     def _prefill(self, seq: Sequence, start: int, end: int) -> StepOutput | None:
-        """Run one chunk of the prompt (or of a KV recompute); at the prompt's end, sample the first token."""
-        if start == 0:
+        """Run one chunk of the prompt (or of a KV recompute); at the prompt's end, sample the first token.
+        The first chunk starts after the positions the prefix cache provided (Sequence.num_cached_tokens)."""
+        if not seq.target_version:  # its first chunk: it runs on the newest weights (the prefix cache's epoch)
             seq.target_version = self.target_version
         target = self.targets[seq.target_version]
         tokens = torch.tensor(seq.context_ids(start, end))[None]
         hidden = target(tokens, torch.tensor([seq.slot]), torch.tensor([start]), self.cache)
         seq.num_computed = end
         recompute = bool(seq.output_ids)
+        self.stats.count_prefill(seq.prompt_ids, start, end, recompute)  # computed twice? (the token-use ledger)
+        seq.segments.add_features(start, hidden[0])  # the record keeps these features if its sink takes them
+        if not recompute:
+            self.stats.prompt_tokens_computed += end - start
         if self.drafter is not None:
             seq.draft_pending_features.append(hidden[0])
             seq.draft_pending_tokens.extend(seq.context_ids(start + 1, end + 1 if recompute else min(end + 1, seq.prompt_len)))
@@ -317,6 +327,8 @@ class Engine:
                 if swap.mode == "interrupt":
                     for seq in running:
                         self._restart_on(seq, swap.version)
+            if self.prefix is not None:  # KV of the old weights (either model's) is never reused by the new ones
+                self.prefix.new_epoch()
             swap.done.set_result(SwapResult(swap.role, swap.version, swap.mode, swap.load_ms,
                                             (time.perf_counter() - swap.requested_at) * 1000))
         in_use = {s.target_version for s in self.scheduler.running} | {self.target_version}
@@ -324,7 +336,8 @@ class Engine:
             del self.targets[version]
 
     def _restart_on(self, seq: Sequence, version: str) -> None:
-        """Move a running sequence to new target weights: recompute its KV from its tokens."""
+        """Move a running sequence to new target weights: recompute its KV from its tokens (its first
+        chunk is placed again: the prefix cache may serve it what another restarted sequence recomputed)."""
         seq.target_version = version
         if seq.status is Status.DECODE or seq.num_computed > 0:
             seq.prefill_end = seq.prompt_len + len(seq.output_ids) - 1 if seq.output_ids else seq.prompt_len
@@ -369,6 +382,8 @@ def prior_accept_rate(drafter_version: str) -> float:
 
 
 def _sampler(running: list[Sequence]) -> RowSampler:
-    return RowSampler.of([s.params for s in running], [s.generator for s in running], [s.stream for s in running])
+    """The rows' sampling rules; penalties and min_tokens read each row's prompt and output so far."""
+    return RowSampler.of([s.params for s in running], [s.generator for s in running], [s.stream for s in running],
+                         [(s.prompt_ids, s.output_ids) for s in running])
 
 

@@ -6,6 +6,10 @@ behind later arrivals; every admitted sequence decodes in every step, so a long 
 cannot starve the others; prompts are prefilled at most `prefill_chunk` tokens per step,
 so a long prompt delays running sequences by one bounded chunk per step, not by its length.
 Beyond `max_waiting` queued requests, `add` refuses with QueueFullError.
+
+With a prefix cache (specrl/engine/prefix_cache.py), admission picks the free slot whose kept KV
+the prompt reuses, and a sequence's first chunk starts after the positions it reuses (or waits a
+step for a sequence prefilling the same prefix); reused positions take no prefill budget.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specrl.errors import QueueFullError
+from specrl.engine.prefix_cache import PrefixCache
 from specrl.engine.sequence import Sequence, Status
 
 
@@ -26,8 +31,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, prefill_chunk: int, max_waiting: int):
-        self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
+    def __init__(self, num_slots: int, prefill_chunk: int, max_waiting: int, prefix: PrefixCache | None = None):
+        self.prefill_chunk, self.max_waiting, self.prefix = prefill_chunk, max_waiting, prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(num_slots))  # a heap: lowest slot first keeps batches consecutive
@@ -49,11 +54,13 @@ class Scheduler:
                 seq = self.waiting.popleft()
                 if seq.aborted:
                     continue
-                seq.slot, seq.status = heapq.heappop(self._free_slots), Status.PREFILL
+                seq.slot, seq.status = self._take_slot(seq), Status.PREFILL
                 self.running.append(seq)
         batch, budget = ScheduledBatch(), self.prefill_chunk
         for seq in self.running:
             if seq.status is Status.PREFILL and budget > 0:
+                if self.prefix is not None and seq.num_computed == 0 and not self.prefix.place(seq, self.running):
+                    continue  # another sequence is prefilling its prefix: reuse that instead
                 n = min(seq.prefill_end - seq.num_computed, budget)
                 batch.prefill.append((seq, seq.num_computed, seq.num_computed + n))
                 budget -= n
@@ -66,6 +73,17 @@ class Scheduler:
             seq.status = Status.FINISHED
             if seq in self.running:
                 self.running.remove(seq)
+                if self.prefix is not None:  # the slot keeps its KV until it is needed
+                    self.prefix.release(seq)
                 heapq.heappush(self._free_slots, seq.slot)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
+
+    def _take_slot(self, seq: Sequence) -> int:
+        """The free slot `seq` is admitted into: the lowest, or the prefix cache's choice."""
+        if self.prefix is None:
+            return heapq.heappop(self._free_slots)
+        slot = self.prefix.choose_slot(seq, self._free_slots, self.running)
+        self._free_slots.remove(slot)
+        heapq.heapify(self._free_slots)
+        return slot

@@ -51,6 +51,9 @@ class Sequence:
     # Prefill covers context positions [num_computed, prefill_end): the prompt, or after an
     # interrupting policy swap the whole context but the pending token (KV recompute).
     prefill_end: int = 0
+    # Prompt positions whose KV came from the prefix cache (specrl/engine/prefix_cache.py) instead
+    # of being computed, set when its first prefill is placed (vLLM's num_cached_tokens); None before.
+    num_cached_tokens: int | None = None
 
     def __post_init__(self):
         self.prefill_end = len(self.prompt_ids)

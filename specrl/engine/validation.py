@@ -9,6 +9,7 @@ from specrl.spec.sampling import SamplingParams
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, limit: int) -> None:
     """Raise InvalidRequestError naming the first problem of a request."""
     params.check()
+    params.check_vocab(vocab)
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
     if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):

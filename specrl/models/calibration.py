@@ -20,10 +20,11 @@ its weight from memory as a real forward does (30 layers of SmolLM2 are 478 MB: 
 cached between two uses of one weight). The fastest of a few calls: other processes only
 ever add time.
 
-Measurements are cached in `<directory>/linears-<dtype>.json` under a key (CPU model, the
-flags that matter, torch version, torch threads, dtype, this module's schema): a restart
-reads them back; a file with another key (another machine, torch or thread count) is measured
-again and overwritten.
+Measurements are cached in `<directory>/linears-<dtype>-<threads>t.json` under a key (CPU
+model, the flags that matter, torch version, torch threads, dtype, this module's schema): a
+restart reads them back; a file with another key (another machine or torch) is measured again
+and overwritten. One file per thread count, so processes calibrated with different thread
+counts (a 1-thread benchmark beside a 2-thread server) do not overwrite each other's.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class Calibration:
         name = next(k for k, v in DTYPES.items() if v == torch_dtype)
         key = {"schema": SCHEMA, "cpu": model, "flags": sorted(flags & set(KEY_FLAGS)), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "dtype": name, "buckets": list(BUCKETS), "calls": sorted(CALLS)}
-        path = Path(directory) / f"linears-{name}.json"
+        path = Path(directory) / f"linears-{name}-{torch.get_num_threads()}t.json"
         shapes = {}
         if path.is_file():
             try:

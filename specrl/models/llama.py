@@ -22,7 +22,7 @@ each); compiled pieces alone (residual+norm, silu*up, rope) took 38-54 us a call
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -195,6 +195,8 @@ class Llama(nn.Module):
     `prepare_inference(plan)` turns it into the serving form: each linear packed once as the
     calibration chose, in its dtype (bfloat16 where the CPU has native bf16), KV cache in it too."""
 
+    head_only = False  # `load_llama_head`: embeddings, norm, head and the top layer only; no forward
+
     def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg
@@ -260,6 +262,8 @@ class Llama(nn.Module):
         row b has only lengths[b] real tokens (the rest is padding: computed by attention only, its
         hidden states are 0). Without a cache: whole sequences from position 0, causal (the
         trainer's feature pass; right padding does not leak backwards)."""
+        if self.head_only:
+            raise ValueError("a head-only target (load_llama_head) has no layers to compute features with")
         x = self.embed_tokens(tokens)
         if cache is None:
             cos, sin = self.rope.tables(torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1))
@@ -431,6 +435,27 @@ def hf_layout(cfg: LlamaConfig) -> dict[str, list[str]]:
 
 class WeightsMismatch(ValueError):
     """A checkpoint whose tensors do not fit the model (names, shapes or values)."""
+
+
+def load_llama_head(model_dir: Path) -> Llama:
+    """What a drafter needs of its target when the features come with the records: the embeddings,
+    the final norm, the output head and the top decoder layer (a day-0 drafter starts from it),
+    read from an HF directory into plain float32 parameters. SmolLM2: 127 MB (its head is tied to
+    the embeddings) instead of 538 MB. Not a model: `layers` holds the top layer only, `cfg` says
+    one layer, and `forward` refuses to run."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ModelNotFoundError(f"{model_dir} has no config.json")
+    cfg = LlamaConfig.from_dir(model_dir)
+    model = Llama(replace(cfg, num_layers=1))
+    source = TensorSource.from_dir(model_dir)
+    top = f"model.layers.{cfg.num_layers - 1}."
+    source._entries = {(name.replace(top, "model.layers.0.", 1) if name.startswith(top) else name): entry
+                       for name, entry in source._entries.items()
+                       if not name.startswith("model.layers.") or name.startswith(top)}
+    model.load_hf_state(source)
+    model.head_only = True
+    return model
 
 
 def load_llama(model_dir: Path, plan: "Calibration | None" = None) -> Llama:

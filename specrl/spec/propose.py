@@ -91,9 +91,12 @@ def propose(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: t
     hidden = catch_up(drafter, cache, slots, start, features, tokens)[rows, lengths - 1]  # [B, H]
     position = start + lengths
     out_tokens, out_probs, out_logprobs = [], [], []
+    eos_ids = drafter.target.cfg.eos_token_ids
     for i in range(k):
-        logits = drafter.logits(hidden)  # [B, V_d]
-        probs = sampler.probs(logits[:, None])[:, 0]
+        # the head's logits [B, V_d], processed as the target's are, the tokens drafted so far counted as generated
+        drafted = torch.stack(out_tokens, 1) if out_tokens and sampler.adjust is not None else None
+        logits = sampler.adjusted(drafter.logits(hidden)[:, None], drafted, eos_ids, drafter.draft_to_target)[:, 0]
+        probs = sampler.distribution(logits[:, None])[:, 0]
         uniforms = sampler.uniforms(1, positions + i)[:, 0]
         draft_ids = torch.where(sampler.greedy, logits.argmax(-1), inverse_cdf_sample(probs, uniforms))
         out_logprobs.append(torch.log_softmax(logits, -1)[rows, draft_ids] if sampler.all_greedy

@@ -9,6 +9,12 @@ uniforms indexed by position (`position_uniforms`, drawn once from the seed), an
 position n is always the inverse-CDF draw of the target's distribution with u_n
 (`specrl.spec.verify`: drafts only decide how many of those tokens one step yields). Without a
 seed, a row's uniforms come one after another from its generator.
+
+The distribution a row samples from (`RowSampler.probs`), in vLLM's order: the logit processing
+that depends on the request's tokens (`specrl.spec.processing`: logit bias, min_tokens,
+repetition / frequency / presence penalties), then temperature, min_p, top_k and top_p. Greedy
+rows take the argmax after the processing (temperature, min_p, top_k and top_p leave it alone).
+top_k = 0 or -1 keeps every token (vLLM's convention).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specrl.errors import InvalidRequestError
+from specrl.spec.processing import LogitAdjust
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's bound)
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the chosen token's log-prob and the top n
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are generated
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    # text assembly (the serving layer) and stop-string checks
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +71,49 @@ class SamplingParams:
             raise InvalidRequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs!r}", param="top_logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", param="stop")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}",
+                                      param="top_k")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequestError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}",
+                                      param="repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", param=name)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                                      f"{self.min_tokens!r}", param="min_tokens")
+        for token, bias in self.logit_bias:
+            if not _is_int(token) or token < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+            if not (_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
+                                          param="logit_bias")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids, got {list(self.stop_token_ids)!r}",
+                                      param="stop_token_ids")
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise InvalidRequestError if logit_bias or stop_token_ids name a token outside [0, vocab)."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise InvalidRequestError(f"{name} names token ids outside the vocabulary [0, {vocab}): {outside[:5]}",
+                                          param=name)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -58,7 +121,9 @@ class RowSampler:
     """Sampling rules of the B rows of a batch.
 
     temperature [B] float32 (0 for greedy rows), top_p [B] float32, greedy [B] bool,
-    generators: one torch.Generator per row.
+    generators: one torch.Generator per row. top_k [B] int64 (0: off) and min_p [B] float32
+    (0: off) exist only when some sampled row uses them, `adjust` only when some row asks for the
+    token-dependent processing (specrl.spec.processing): a default batch costs what it always did.
     """
 
     temperature: torch.Tensor
@@ -66,20 +131,33 @@ class RowSampler:
     greedy: torch.Tensor
     generators: list[torch.Generator] = field(repr=False)
     streams: list[torch.Tensor | None] | None = field(default=None, repr=False)  # per row: uniforms by position
+    top_k: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    adjust: LogitAdjust | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, params: list[SamplingParams], generators: list[torch.Generator],
-           streams: list[torch.Tensor | None] | None = None) -> "RowSampler":
+           streams: list[torch.Tensor | None] | None = None,
+           history: list[tuple[list[int], list[int]]] | None = None) -> "RowSampler":
+        """history: per row (prompt ids, generated ids), which the penalties and min_tokens read."""
+        top_k = [0 if p.greedy or p.top_k < 0 else p.top_k for p in params]
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
         return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32),
                    torch.tensor([p.top_p for p in params], dtype=torch.float32),
-                   torch.tensor([p.greedy for p in params]), generators, streams)
+                   torch.tensor([p.greedy for p in params]), generators, streams,
+                   torch.tensor(top_k, dtype=torch.long) if any(top_k) else None,
+                   torch.tensor(min_p, dtype=torch.float32) if any(min_p) else None,
+                   LogitAdjust.of(params, history))
 
     def select(self, rows: list[int]) -> "RowSampler":
         """The sampler of a subset of the rows (in that order)."""
         index = torch.tensor(rows, dtype=torch.long)
         return RowSampler(self.temperature[index], self.top_p[index], self.greedy[index],
                           [self.generators[b] for b in rows],
-                          None if self.streams is None else [self.streams[b] for b in rows])
+                          None if self.streams is None else [self.streams[b] for b in rows],
+                          None if self.top_k is None else self.top_k[index],
+                          None if self.min_p is None else self.min_p[index],
+                          None if self.adjust is None else self.adjust.select(rows))
 
     @property
     def all_greedy(self) -> bool:
@@ -104,11 +182,32 @@ class RowSampler:
                 rows.append(torch.rand(n, generator=g))
         return torch.stack(rows)
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, T, V] -> probabilities [B, T, V] float32 after temperature and top-p.
-        Greedy rows get temperature 1 (only their argmax is ever used)."""
+    def probs(self, logits: torch.Tensor, tokens: torch.Tensor | None = None, eos_ids: tuple[int, ...] = (),
+              columns: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, T, V'] -> the distributions [B, T, V'] float32 the rows sample from: `adjusted`,
+        then `distribution`. tokens, eos_ids, columns: as `adjusted`."""
+        return self.distribution(self.adjusted(logits, tokens, eos_ids, columns))
+
+    def adjusted(self, logits: torch.Tensor, tokens: torch.Tensor | None = None, eos_ids: tuple[int, ...] = (),
+                 columns: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, T, V'] float32 after the token-dependent processing (the same tensor when no row
+        asks for it). tokens [B, J] int64: tokens generated since the rows' history, position t
+        following the first J - T + 1 + t of them (a verify step: its drafts); eos_ids: the model's
+        EOS ids (min_tokens holds them back); columns [V'] int64: the target ids of the columns
+        (the drafter's reduced vocabulary). Greedy rows take the argmax of these logits."""
+        if self.adjust is None:
+            return logits
+        return self.adjust.apply(logits, tokens, eos_ids, columns)
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """adjusted logits [B, T, V] -> probabilities [B, T, V] float32 after temperature, min_p, top_k
+        and top_p. Greedy rows get temperature 1 and no filter (only their argmax is ever used)."""
         temperature = torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
         probs = torch.softmax(logits / temperature[:, None, None], dim=-1)
+        if self.min_p is not None:
+            probs = torch.where((self.min_p > 0)[:, None, None], min_p_filter(probs, self.min_p), probs)
+        if self.top_k is not None:
+            probs = torch.where((self.top_k > 0)[:, None, None], top_k_filter(probs, self.top_k), probs)
         filtered = self.top_p < 1
         if bool(filtered.any()):  # only those rows: a cumulative sum can round past 1.0
             probs = torch.where(filtered[:, None, None], top_p_filter(probs, self.top_p), probs)
@@ -127,4 +226,22 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None, None], 0.0)
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """probs [B, T, V], min_p [B] -> renormalised probs without the tokens less likely than min_p
+    times the most likely one (vLLM's rule)."""
+    floor = probs.amax(-1, keepdim=True) * min_p[:, None, None]
+    kept = probs.masked_fill(probs < floor, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def top_k_filter(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """probs [B, T, V], top_k [B] int64 (>= 1 where used) -> renormalised probs keeping the top_k
+    most likely tokens (and any tied with the k-th, as vLLM keeps them)."""
+    k = top_k.clamp(1, probs.shape[-1])
+    values = probs.topk(int(k.max()), dim=-1).values  # [B, T, k_max], descending
+    kth = values.gather(-1, (k - 1)[:, None, None].expand(-1, probs.shape[1], 1))
+    kept = probs.masked_fill(probs < kth, 0.0)
     return kept / kept.sum(-1, keepdim=True)

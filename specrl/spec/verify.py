@@ -1,7 +1,9 @@
 """Verify: one target forward over [pending token, d_1..d_k] per sequence, then the acceptance rule.
 
 The forward over k+1 positions gives the target's distribution p_1..p_{k+1} at each of them in
-one pass. Two rules, both exact (every emitted token follows p):
+one pass, processed as the request asks (`RowSampler.probs`: penalties, logit bias, min_tokens,
+temperature, min_p, top_k, top_p), p_i counting d_1..d_{i-1} as generated. Two rules, both exact
+(every emitted token follows p):
 
 - rejection sampling (`specrl.kernels.rejection_sample`, whose docstring defines accepted,
   recovered and bonus tokens): greedy rows accept exactly the drafts equal to the argmax; sampled
@@ -50,7 +52,9 @@ def verify(target: Llama, cache: KVCache, pending: torch.Tensor, slots: torch.Te
     lengths = None if draft.lengths is None else draft.lengths + 1
     hidden = target(tokens, slots, start, cache, lengths)
     logits = _logits(target, hidden, lengths)
-    accepted, emitted = accept(draft, sampler.probs(logits), sampler.uniforms(tokens.shape[1], start + 1), sampler)
+    # the target's distributions after the processing, position i counting d_1..d_i as generated
+    probs = sampler.probs(logits, draft.tokens, target.cfg.eos_token_ids)
+    accepted, emitted = accept(draft, probs, sampler.uniforms(tokens.shape[1], start + 1), sampler)
     return Verification(accepted, emitted, hidden, logits)
 
 
@@ -70,14 +74,14 @@ def sample_first(target: Llama, hidden: torch.Tensor, position: int, sampler: Ro
     hidden [1, H] float32; position: the new token's. -> Verification with K = 0 (hidden [1, 0, H])."""
     last = hidden[:, None]
     logits = target.logits(last)
-    accepted, emitted = accept(Draft.empty(1), sampler.probs(logits), sampler.uniforms(1, torch.tensor([position])),
-                               sampler)
+    probs = sampler.probs(logits, eos_ids=target.cfg.eos_token_ids)
+    accepted, emitted = accept(Draft.empty(1), probs, sampler.uniforms(1, torch.tensor([position])), sampler)
     return Verification(accepted, emitted, last[:, :0], logits)
 
 
 def accept(draft: Draft, probs: torch.Tensor, uniforms: torch.Tensor, sampler: RowSampler
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [B, K+1, V] float32 (the target's, temperature and top-p applied), uniforms [B, K+1]
+    """probs [B, K+1, V] float32 (the target's, processed: `RowSampler.probs`), uniforms [B, K+1]
     -> accepted [B] int64, emitted [B, K+1] int64 (as `rejection_sample`), each row by its rule."""
     # The engine made these distributions with softmax from finite weights (checked at load and
     # swap): the per-step value scan (sum to 1, no NaN) would cost about as much as the sampling.

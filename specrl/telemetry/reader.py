@@ -112,6 +112,25 @@ class RecordReader:
                 return int(lag) if lag is not None else int(info["pending"])
         raise redis.ResponseError(f"NOGROUP no group {self.group!r} on stream {self.stream!r}")
 
+    def flow(self) -> dict:
+        """The stream seen from the group, in one round trip, without reading a payload:
+        `added` (entries ever added: XINFO GROUPS entries-read + lag, Redis >= 7; else the
+        stream length), `lag` (not yet delivered to the group), `last_delivered_ms` (the Redis
+        clock of the last entry delivered, 0 for none) and `now_ms` (Redis TIME)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xinfo_groups(self.stream)
+        pipe.xlen(self.stream)
+        pipe.time()
+        groups, length, (seconds, micros) = pipe.execute()
+        for info in groups:
+            if info["name"].decode() == self.group:
+                lag, read = info.get("lag"), info.get("entries-read")
+                delivered = info["last-delivered-id"].decode().partition("-")[0]
+                return {"added": int(read) + int(lag) if lag is not None and read is not None else int(length),
+                        "lag": int(lag) if lag is not None else int(info["pending"]),
+                        "last_delivered_ms": int(delivered), "now_ms": seconds * 1000 + micros // 1000}
+        raise redis.ResponseError(f"NOGROUP no group {self.group!r} on stream {self.stream!r}")
+
     # -- decoding --------------------------------------------------------------------------
 
     def _xreadgroup(self, from_id: str, count: int, block_ms: int | None) -> list:

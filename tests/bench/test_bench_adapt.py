@@ -57,6 +57,9 @@ def test_bench_adapt_tiny(tmp_path, capsys):
         assert publish["version"] in {m["version"] for m in run["manifests"]}
     assert result["summary"]["kl"]["ratio_b1"] == [start["drafters"]["online"]["ratio_b1"],
                                                    end["drafters"]["online"]["ratio_b1"]]
+    token_yield = result["summary"]["kl"]["token_yield"]  # the servers' and the trainer's token uses
+    assert token_yield["computed"] > 0 and 0 < token_yield["yield"] <= 1 and token_yield["uses"]["served"] > 0
+    assert all("yield" in s for s in run["served"])
 
     client = redis.Redis.from_url(REDIS_URL)  # the run's stream is gone from the shared Redis
     assert not client.exists(events_stream(run["deployment"]))

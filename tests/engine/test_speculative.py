@@ -1,5 +1,8 @@
 """Speculative decoding is exact: greedy output equals plain greedy decoding token for token,
-and sampled output follows the target's distribution."""
+and sampled output follows the target's distribution, also under vLLM's extra sampling
+parameters (penalties, logit bias, min_tokens, top_k, min_p)."""
+
+from dataclasses import replace
 
 import pytest
 from scipy.stats import chi2_contingency
@@ -114,3 +117,72 @@ def test_a_seed_reproduces_the_same_text_whatever_speculation_does(make_engine, 
     other = make_engine(drafter="none", suffix_capacity=0).generate(prompts[:1], [params[0].__class__(
         **{**params[0].__dict__, "seed": 999})])
     assert other[0].output_ids != plain[0].output_ids
+
+
+# ---- vLLM's extra sampling parameters: speculation stays exact under the processing ------------
+
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.5)
+
+
+@pytest.mark.parametrize("drafter, fixed_k", [("day0", 1), ("day0", 3), ("none", -1)])  # head k=1, k=3; suffix index
+def test_greedy_with_penalties_and_logit_bias_equals_plain_greedy(make_engine, tokenizer, drafter, fixed_k):
+    """Penalties count the drafts before each verified position: the verified argmax is plain
+    decoding's after the same tokens, so the text is plain greedy's token for token."""
+    prompts = chat_prompts(tokenizer, 6) * 2  # the second round finds the first in the suffix index
+    params = [replace(GREEDY, logit_bias=((1000 + 7 * i, 3.0), (2000 + i, -5.0)), **PENALTIES) for i in range(12)]
+    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=4).generate(prompts, params)
+    unpenalised = make_engine(drafter="none", suffix_capacity=0, max_batch=4).generate(prompts, GREEDY)
+    assert sum(a.output_ids != b.output_ids for a, b in zip(plain, unpenalised)) >= 6  # the processing bites
+    engine = make_engine(drafter=drafter, max_batch=4, fixed_draft_tokens=fixed_k, max_draft_tokens=4)
+    spec = engine.generate(prompts, params)
+    assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+    assert engine.stats.spec.num_draft_tokens > 0 and engine.stats.spec.num_accepted_tokens > 0
+
+
+def test_min_tokens_holds_back_eos_at_every_draft_position(make_engine, tokenizer):
+    """EOS biased by +100 ends every request at once; with min_tokens=5 it comes exactly after 5
+    tokens, also when a step verifies drafts across the min_tokens boundary."""
+    eos, prompts = tokenizer.eos_token_id, chat_prompts(tokenizer, 4)
+    forced = SamplingParams(max_tokens=12, temperature=0.0, logit_bias=((eos, 100.0),))
+    for engine in (make_engine(drafter="none", suffix_capacity=0), make_engine(fixed_draft_tokens=3, max_batch=4)):
+        assert all(c.output_ids == [] and c.finish_reason == "stop" for c in engine.generate(prompts, forced))
+        held = engine.generate(prompts, replace(forced, min_tokens=5))
+        assert all(len(c.output_ids) == 5 and c.finish_reason == "stop" for c in held), [c.output_ids for c in held]
+    assert engine.stats.spec.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("proposer, seeded", [("head", False), ("suffix", True)])  # rejection sampling; coupled
+def test_sampled_tokens_follow_the_processed_target_distribution(make_engine, tokenizer, proposer, seeded):
+    """top_k, min_p and the three penalties, speculative (head drafts at k = 2, or the suffix index's)
+    vs plain decoding: the first two tokens have the same distribution (two-sample chi-square,
+    reject at p < 1e-3). The second token's distribution depends on the first through the
+    penalties, which the verify step counts when the first came from an accepted draft."""
+    [prompt] = chat_prompts(tokenizer, 1)
+    n = 1500
+
+    def params(offset: int) -> list[SamplingParams]:  # max_tokens 5: rows keep room to draft
+        return [SamplingParams(max_tokens=5, temperature=1.0, top_k=3, min_p=0.1, ignore_eos=True,
+                               seed=offset + i if seeded else None, repetition_penalty=1.5, presence_penalty=1.0,
+                               frequency_penalty=0.5) for i in range(n)]
+
+    engine = (make_engine(max_batch=8, fixed_draft_tokens=2, suffix_capacity=0, seed=1) if proposer == "head"
+              else make_engine(drafter="none", max_batch=8, seed=1))
+    spec = engine.generate([prompt] * n, params(0))
+    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=8, seed=2).generate([prompt] * n, params(n))
+    counts = engine.stats.by_proposer[proposer]
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, "both accept and reject paths must be exercised"
+    assert_same_distribution([c.output_ids[:2] for c in spec], [c.output_ids[:2] for c in plain])
+
+
+def test_a_seed_reproduces_a_processed_sample_whatever_speculation_does(make_engine, tokenizer):
+    """The coupled rule under top_k, min_p and penalties: plain decoding, the head and the suffix
+    index give the same tokens for the same seed."""
+    prompts = chat_prompts(tokenizer, 4) * 2
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, min_p=0.02, seed=200 + i % 4, ignore_eos=True,
+                             **PENALTIES) for i in range(8)]
+    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=4).generate(prompts, params)
+    for name, engine in {"head k=3": make_engine(max_batch=4, fixed_draft_tokens=3, suffix_capacity=0),
+                         "suffix": make_engine(drafter="none", max_batch=4)}.items():
+        out = engine.generate(prompts, params)
+        assert [c.output_ids for c in out] == [c.output_ids for c in plain], name
+        assert engine.stats.spec.num_draft_tokens > 0, name

@@ -59,7 +59,7 @@ def test_measurements_are_cached_and_reused(tmp_path):
                                          ("threads", 97), ("schema", -1)])
 def test_a_cache_from_another_machine_is_ignored_and_rebuilt(tmp_path, field, value):
     Calibration.open(tmp_path, "float32").choose(SHAPE)
-    path = tmp_path / "linears-float32.json"
+    path = tmp_path / "linears-float32-1t.json"
     saved = json.loads(path.read_text())
     saved["key"][field] = value
     saved["shapes"]["48x32"]["plain"]["F.linear"] = [999.0] * len(BUCKETS)  # would win nothing if it were read
@@ -74,7 +74,7 @@ def test_a_cache_from_another_machine_is_ignored_and_rebuilt(tmp_path, field, va
 
 
 def test_an_unreadable_cache_is_rebuilt(tmp_path):
-    (tmp_path / "linears-float32.json").write_text("{not json")
+    (tmp_path / "linears-float32-1t.json").write_text("{not json")
     assert Calibration.open(tmp_path, "float32").shapes == {}
 
 

@@ -71,7 +71,7 @@ def test_calibrated_model_equals_plain(tiny_dir, tmp_path):
     prepared = load_llama(tiny_dir, plan=plan)
     for got, want in zip(_forwards(prepared, STEPS), _forwards(load_llama(tiny_dir), STEPS)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    assert (tmp_path / "linears-float32.json").is_file()
+    assert (tmp_path / "linears-float32-1t.json").is_file()
 
 
 def _held_bytes(model) -> int:

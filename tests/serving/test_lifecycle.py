@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from specrl.telemetry import SegmentRecord
-from tests.backends import LONG_ANSWER, REDIS_URL
+from tests.backends import API_HEADERS, LONG_ANSWER, REDIS_URL
 
 
 @pytest.fixture
@@ -50,7 +50,8 @@ def test_saturated_server_answers_429_with_retry_after(bare, chat):
     """`bare` runs one request and queues one more."""
 
     def call(_):
-        return httpx.post(bare.url + "/v1/chat/completions", json={**chat, "max_tokens": 60}, timeout=120)
+        return httpx.post(bare.url + "/v1/chat/completions", json={**chat, "max_tokens": 60}, timeout=120,
+                          headers=API_HEADERS)
 
     with ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(call, range(8)))
@@ -82,7 +83,7 @@ def test_redis_down_never_fails_a_request(bare, chat):
     start = telemetry()
     for _ in range(3):
         assert httpx.post(bare.url + "/v1/chat/completions", json={**chat, "max_tokens": 8},
-                          timeout=60).status_code == 200
+                          timeout=60, headers=API_HEADERS).status_code == 200
     end = telemetry()
     assert end["specrl_telemetry_records_sent_total"] == start["specrl_telemetry_records_sent_total"] == 0
     # one record per request, held in the bounded queue while Redis is away, or dropped and counted: never lost

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specrl.errors import InvalidRequestError
-from specrl.spec.sampling import RowSampler, SamplingParams, top_p_filter
+from specrl.spec.sampling import RowSampler, SamplingParams, min_p_filter, top_k_filter, top_p_filter
 
 
 # ---- SamplingParams.check ----------------------------------------------------------------------
@@ -152,3 +152,147 @@ def test_uniforms_of_a_row_do_not_depend_on_other_rows():
         assert torch.equal(a[0], t[1])
         assert torch.equal(a[0], s[0])
     assert not torch.equal(together.uniforms(3)[0], together.uniforms(3)[0])  # the stream advances
+
+
+# ---- vLLM's extra sampling parameters: checks --------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", -2), ("top_k", 1.5), ("top_k", True), ("min_p", -0.01), ("min_p", 1.01), ("min_p", math.nan),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("presence_penalty", 2.01), ("presence_penalty", -2.5), ("frequency_penalty", 3.0), ("frequency_penalty", -2.01),
+    ("min_tokens", -1), ("min_tokens", 65), ("logit_bias", ((3, 100.5),)), ("logit_bias", ((3, -101.0),)),
+    ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((3, math.nan),)), ("stop_token_ids", (-4,)),
+])
+def test_check_rejects_bad_processing_fields(field, value):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**{field: value}).check()  # max_tokens is 64
+    assert err.value.param == field and err.value.http_status == 400 and field in err.value.message
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"min_p": 0.0}, {"min_p": 1.0}, {"repetition_penalty": 0.01},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0}, {"min_tokens": 64}, {"logit_bias": ((0, -100.0), (5, 100))},
+])
+def test_check_accepts_valid_processing_fields(kwargs):
+    SamplingParams(**kwargs).check()
+
+
+@pytest.mark.parametrize("field, params", [("logit_bias", SamplingParams(logit_bias=((10, 1.0),))),
+                                           ("stop_token_ids", SamplingParams(stop_token_ids=(3, 10)))])
+def test_check_vocab_names_token_ids_outside_the_vocabulary(field, params):
+    params.check_vocab(11)
+    with pytest.raises(InvalidRequestError) as err:
+        params.check_vocab(10)
+    assert err.value.param == field
+
+
+# ---- processing: penalties, logit bias, min_tokens (specrl/spec/processing.py) ------------------
+
+EOS = 1
+
+
+def _reference_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], generated: list[int]
+                      ) -> torch.Tensor:
+    """vLLM's definitions, one token at a time: logits [V] of the token after prompt + generated."""
+    out = logits.clone().double()
+    for token, bias in params.logit_bias:
+        out[token] += bias
+    if len(generated) < params.min_tokens:
+        for token in (EOS, *params.stop_token_ids):
+            out[token] = -math.inf
+    for token in set(prompt) | set(generated):
+        out[token] = out[token] / params.repetition_penalty if out[token] > 0 else out[token] * params.repetition_penalty
+    for token in set(generated):
+        out[token] -= params.frequency_penalty * generated.count(token) + params.presence_penalty
+    return out.float()
+
+
+PROCESSED = [
+    SamplingParams(temperature=0.8, repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.9),
+    SamplingParams(),  # a row that asks for nothing, between two that do
+    SamplingParams(temperature=0.0, logit_bias=((4, 3.5), (9, -2.0)), min_tokens=3, stop_token_ids=(6,)),
+    SamplingParams(temperature=1.0, repetition_penalty=0.5, frequency_penalty=-1.5, min_tokens=1),
+]
+HISTORY = [([2, 3, 3], [5, 7, 5]), ([4], [4, 4]), ([8], [2]), ([], [])]
+
+
+@pytest.mark.parametrize("t", [1, 4])  # a drafting pass (one position), a verify step over 3 drafts
+@pytest.mark.parametrize("before", [0, 2])  # tokens drafted before the first position
+def test_adjusted_logits_count_the_tokens_before_each_position(t, before):
+    """Position i of a step follows the history and the first before + i of `tokens` (its drafts),
+    counted as generated: what plain decoding would see after the same tokens."""
+    g = torch.Generator().manual_seed(3)
+    v = 12
+    logits = torch.randn(len(PROCESSED), t, v, generator=g) * 3
+    tokens = torch.randint(0, v, (len(PROCESSED), before + t - 1), generator=g)
+    if tokens.shape[1]:
+        tokens[0, 0] = 5  # a repeat of the history
+    sampler = RowSampler.of(PROCESSED, [torch.Generator() for _ in PROCESSED], history=HISTORY)
+    out = sampler.adjusted(logits, tokens, (EOS,))
+    for b, (params, (prompt, output)) in enumerate(zip(PROCESSED, HISTORY)):
+        for i in range(t):
+            ref = _reference_logits(logits[b, i], params, prompt, output + tokens[b, : before + i].tolist())
+            torch.testing.assert_close(out[b, i], ref, rtol=1e-6, atol=1e-5, msg=f"row {b} position {i}")
+    assert torch.equal(out[1], logits[1])  # untouched
+    assert sampler.select([3, 0]).adjusted(logits[[3, 0]], tokens[[3, 0]], (EOS,)).equal(out[[3, 0]])
+
+
+def test_adjusted_logits_in_the_drafters_reduced_vocabulary_are_the_full_ones_there():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(len(PROCESSED), 1, 12, generator=g)
+    sampler = RowSampler.of(PROCESSED, [torch.Generator() for _ in PROCESSED], history=HISTORY)
+    columns = torch.tensor([0, 1, 2, 4, 5, 6, 7])  # the draft vocabulary's target ids
+    full = sampler.adjusted(logits, eos_ids=(EOS,))
+    reduced = sampler.adjusted(logits[..., columns], eos_ids=(EOS,), columns=columns)
+    torch.testing.assert_close(reduced, full[..., columns])
+
+
+def test_a_batch_that_asks_for_no_processing_has_none():
+    """The default path: no adjustment, no top_k / min_p tensors, the logits object passed through."""
+    sampler = RowSampler.of([SamplingParams(), SamplingParams(temperature=0.0, top_k=5, min_p=0.3)],
+                            [torch.Generator(), torch.Generator()], history=[([1, 2], [3]), ([4], [])])
+    assert sampler.adjust is None and sampler.top_k is None and sampler.min_p is None  # greedy rows filter nothing
+    logits = torch.randn(2, 3, 9)
+    assert sampler.adjusted(logits, torch.zeros(2, 2, dtype=torch.long)) is logits
+    done = RowSampler.of([SamplingParams(min_tokens=2)], [torch.Generator()], history=[([1], [5, 6])])
+    assert done.adjust is None  # min_tokens reached: nothing left to hold back
+
+
+def test_min_tokens_holds_back_stop_tokens_until_the_position_that_reaches_it():
+    params = SamplingParams(min_tokens=3, stop_token_ids=(6,))
+    sampler = RowSampler.of([params], [torch.Generator()], history=[([0], [7])])  # one token generated
+    probs = sampler.probs(torch.zeros(1, 4, 8), torch.tensor([[2, 3, 4]]), (EOS,))
+    held = probs[0, :, [EOS, 6]]
+    assert held[:2].eq(0).all() and held[2:].gt(0).all()  # positions filling outputs 1, 2 held; 3, 4 free
+
+
+# ---- filters: min_p, top_k ---------------------------------------------------------------------
+
+def test_top_k_keeps_the_k_most_likely_and_their_ties():
+    probs = torch.tensor([[[0.1, 0.3, 0.2, 0.2, 0.15, 0.05]]] * 3)
+    out = top_k_filter(probs, torch.tensor([1, 2, 4]))
+    assert torch.allclose(out[0, 0], torch.tensor([0.0, 1, 0, 0, 0, 0]))
+    assert torch.allclose(out[1, 0], torch.tensor([0.0, 0.3, 0.2, 0.2, 0, 0]) / 0.7)  # the tie with the 2nd kept
+    assert torch.allclose(out[2, 0], torch.tensor([0.0, 0.3, 0.2, 0.2, 0.15, 0]) / 0.85)
+
+
+def test_min_p_drops_tokens_below_min_p_times_the_most_likely():
+    probs = torch.tensor([[[0.1, 0.4, 0.2, 0.25, 0.05]]] * 2)
+    out = min_p_filter(probs, torch.tensor([0.5, 0.2]))
+    assert torch.allclose(out[0, 0], torch.tensor([0.0, 0.4, 0.2, 0.25, 0]) / 0.85)  # floor 0.2: 0.2 itself kept
+    assert torch.allclose(out[1, 0], torch.tensor([0.1, 0.4, 0.2, 0.25, 0]) / 0.95)
+
+
+def test_distribution_applies_temperature_then_min_p_top_k_top_p_per_row():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 2, 30, generator=g) * 2
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, min_p=0.1, top_p=0.8),
+              SamplingParams(top_k=-1), SamplingParams(temperature=0.0, top_k=2)]
+    probs = _sampler(params).probs(logits)
+    base = [torch.softmax(logits[b] / t, -1) for b, t in enumerate([0.7, 1.3, 1.0, 1.0])]
+    torch.testing.assert_close(probs[0], top_k_filter(base[0][None], torch.tensor([5]))[0])
+    torch.testing.assert_close(probs[1], top_p_filter(min_p_filter(base[1][None], torch.tensor([0.1])),
+                                                      torch.tensor([0.8]))[0])
+    torch.testing.assert_close(probs[2], base[2])  # -1: off
+    torch.testing.assert_close(probs[3], base[3])  # greedy: only the argmax is read; no filter
+    assert (probs[0] > 0).sum(-1).eq(5).all()

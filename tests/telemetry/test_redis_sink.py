@@ -220,3 +220,65 @@ def test_records_flow_after_redis_comes_up_and_outage_is_counted(throwaway_port)
     finally:
         sink.close(timeout=1)
     assert sink.emitted == sink.sent + sink.dropped == 30
+
+
+@pytest.mark.redis
+def test_records_redis_accepted_then_lost_in_a_restart_are_counted(throwaway_port):
+    """A Redis without persistence comes back empty: the sink finds the records it had sent
+    missing (`lost`), and counts the batch that failed against the dead server as dropped."""
+    port, start_server = throwaway_port
+    url = f"redis://127.0.0.1:{port}/0"
+    stream = "specrl-test:events"
+    server = start_server()
+    sink = RedisSink(url, stream)
+    try:
+        assert wait_for(lambda: sink.connected)
+        for i in range(12):
+            sink.emit(make_record(i))
+        assert wait_for(lambda: sink.sent == 12)
+        server.kill()  # a crash: nothing it held survives
+        server.wait(timeout=5)
+        start_server()
+        late = make_record(99)
+        sink.emit(late)  # its send fails on the dead connection, then the sink reconnects and checks
+        assert wait_for(lambda: sink.lost == 12), (sink.lost, sink.sent, sink.dropped)
+        assert sink.dropped == 1 and sink.dropped_tokens == len(late.prompt_ids) + len(late.tokens)
+        sink.emit(make_record(100))
+        assert wait_for(lambda: sink.sent == 13)
+    finally:
+        sink.close(timeout=1)
+    assert sink.lost == 12  # counted once
+
+
+@pytest.mark.redis
+def test_the_embedded_valkey_keeps_the_stream_through_a_crash(tmp_path):
+    """`specrl up`'s Redis (append-only file, fsync every second): killed with SIGKILL and restarted,
+    it still has every record the sink had sent, consumer group included; the sink counts none lost."""
+    import os
+    import signal
+
+    from specrl.apps.redis_server import RedisServer
+
+    redis_server = RedisServer("", data_dir=tmp_path / "redis")
+    stream = "specrl-test:events"
+    sink = RedisSink(redis_server.url, stream)
+    try:
+        reader = RecordReader(redis_server.url, stream, "drafter", "t0")
+        reader.ensure_group()
+        for i in range(20):
+            sink.emit(make_record(i))
+        assert wait_for(lambda: sink.sent == 20)
+        assert len(reader.read(count=5)) == 5  # delivered, not acked: pending
+        os.kill(redis_server.server.pid, signal.SIGKILL)
+        assert redis_server.restart_if_dead() and not redis_server.restart_if_dead()
+        sink.emit(make_record(20))  # fails on the dead connection (dropped), then the sink reconnects
+        sink.emit(make_record(21))
+        assert wait_for(lambda: sink.sent == 21 or sink.sent + sink.dropped == 22)
+        client = redis.Redis.from_url(redis_server.url)
+        assert client.xlen(stream) == sink.sent and sink.lost == 0
+        assert client.xpending(stream, "drafter")["pending"] == 5
+        client.close()
+        reader.close()
+    finally:
+        sink.close(timeout=1)
+        redis_server.stop()

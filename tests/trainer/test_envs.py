@@ -1,10 +1,10 @@
 """Environments: scorers on hand-written right, wrong and hostile answers; the sandbox's limits;
-safe_score on failing scorers; seeded, disjoint task splits."""
+checked_score on failing scorers; seeded, disjoint task splits. (HumanEval: test_envs_humaneval.py;
+user environments and the scoring pool: test_envs_user.py.)"""
 
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import os
 import socket
@@ -13,7 +13,8 @@ from fractions import Fraction
 
 import pytest
 
-from specrl.trainer.envs import ENVIRONMENTS, Environment, Score, Task, make_env, safe_score
+from specrl.errors import InvalidRequestError
+from specrl.trainer.envs import ENVIRONMENTS, Environment, Score, Task, checked_score, make_env
 from specrl.trainer.envs.arithmetic import ArithmeticEnv, extract_answer, plain_split
 from specrl.trainer.envs.code import TEMPLATES, CodeEnv, extract_code
 from specrl.trainer.envs.format import CONSTRAINTS, FormatEnv, instruction
@@ -37,13 +38,13 @@ def test_make_env_names_and_protocol():
     for name in ENVIRONMENTS:
         env = make_env(name)
         assert env.name == name and isinstance(env, Environment)
-    with pytest.raises(ValueError, match="arithmetic, code, format"):
+    with pytest.raises(InvalidRequestError, match="arithmetic, code, format, humaneval, or package.module:ClassName"):
         make_env("chess")
     with pytest.raises(ValueError, match="train, heldout"):
         next(make_env("arithmetic").tasks("test", 0))
 
 
-@pytest.mark.parametrize("name", list(ENVIRONMENTS))
+@pytest.mark.parametrize("name", [n for n in ENVIRONMENTS if n != "humaneval"])   # humaneval: its own file
 def test_tasks_are_seeded_and_splits_disjoint(name):
     env = make_env(name)
     first = list(itertools.islice(env.tasks("train", 0), 200))
@@ -65,7 +66,7 @@ def test_heldout_code_templates_and_plain_expressions_never_train():
     assert all(plain_split(e) == split for split, group in expressions.items() for e in group)
 
 
-# ---- safe_score ----------------------------------------------------------------------------------------
+# ---- checked_score (in the scoring worker; timeouts and crashes: the pool, test_envs_user.py) ----------
 
 class _Broken:
     name = "broken"
@@ -80,32 +81,30 @@ class _Broken:
         return self.behaviour()
 
 
-def test_safe_score_turns_a_raising_scorer_into_reward_0(caplog):
+def test_checked_score_turns_a_raising_scorer_into_reward_0():
     def boom():
         raise KeyError("answer")
 
-    with caplog.at_level(logging.WARNING, logger="specrl.trainer.envs"):
-        score = safe_score(_Broken(boom), Task("t", "?", "train"), "42", timeout_s=5)
-    assert score.reward == 0.0 and "KeyError" in score.error
-    assert [r.levelno for r in caplog.records] == [logging.WARNING] and "score_failed" in caplog.records[0].message
+    score, fault = checked_score(_Broken(boom), Task("t", "?", "train"), "42")
+    assert score.reward == 0.0 and "KeyError" in score.error and fault == score.error
 
 
-def test_safe_score_times_out_a_sleeping_scorer():
-    started = time.monotonic()
-    score = safe_score(_Broken(lambda: time.sleep(3) or Score(1.0)), Task("t", "?", "train"), "42", timeout_s=0.2)
-    assert time.monotonic() - started < 1.0
-    assert score.reward == 0.0 and "timeout" in score.error
+@pytest.mark.parametrize("bad", [Score(math.nan), Score(1.5), Score(-0.1), Score("1"), 1.5, -0.5, math.inf, None,
+                                 "1.0", True, [1.0]])
+def test_checked_score_refuses_invalid_scores(bad):
+    score, fault = checked_score(_Broken(lambda: bad), Task("t", "?", "train"), "42")
+    assert score.reward == 0.0 and "invalid" in score.error and fault
 
 
-@pytest.mark.parametrize("bad", [Score(math.nan), Score(1.5), Score(-0.1), 1.0, None])
-def test_safe_score_refuses_invalid_scores(bad):
-    score = safe_score(_Broken(lambda: bad), Task("t", "?", "train"), "42", timeout_s=5)
-    assert score.reward == 0.0 and "invalid" in score.error
+@pytest.mark.parametrize("good, reward", [(1, 1.0), (0.25, 0.25), (Fraction(1, 2), 0.5), (Score(0.75), 0.75)])
+def test_checked_score_takes_numbers_and_scores(good, reward):
+    score, fault = checked_score(_Broken(lambda: good), Task("t", "?", "train"), "42")
+    assert (score.reward, score.error, fault) == (reward, None, None) and type(score.reward) is float
 
 
-def test_safe_score_passes_a_good_score_through():
+def test_checked_score_passes_a_good_score_through():
     task = Task("a", "?", "train", {"answer": "42"})
-    assert safe_score(ArithmeticEnv(), task, "Answer: 42", timeout_s=5) == ArithmeticEnv().score(task, "Answer: 42")
+    assert checked_score(ArithmeticEnv(), task, "Answer: 42") == (ArithmeticEnv().score(task, "Answer: 42"), None)
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 report has acceptance recovery per swap and rollout tokens/s with and without speculation."""
 
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
 
 from specrl.config import Settings
-from specrl.errors import SpecrlError
+from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.apps.launch import free_port
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
 from specrl.apps.rl import policy_state_path, run_rl
@@ -59,6 +60,14 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
                    for name in ("server.log", "drafter-trainer.log", "server-no-speculation.log"))
     assert "Traceback" not in logs
     assert (tmp_path / "run" / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
+    # the stages side by side: every sample GRPO took was generated and scored first
+    stages = report["pipeline"]["stages"]
+    assert stages["trainer"]["samples"] == 3 * 2 * len(report["steps"])
+    assert stages["generator"]["rollouts"] >= stages["environment"]["scores"] >= stages["trainer"]["samples"]
+    assert stages["environment"]["workers"] == 4 and stages["environment"]["timeouts"] == 0
+    for stage, unit in (("generator", "rollouts"), ("environment", "scores"), ("trainer", "samples")):
+        assert stages[stage][f"{unit}_per_s"] > 0 and stages[stage]["busy_s"] >= 0
+        assert all(0 <= s <= report["pipeline"]["seconds"] + 1 for s in stages[stage]["waited_s"].values())
 
 
 def test_a_store_serving_a_policy_this_deployment_did_not_train_is_refused(home, tmp_path, tiny_dir):
@@ -71,3 +80,14 @@ def test_a_store_serving_a_policy_this_deployment_did_not_train_is_refused(home,
     with pytest.raises(SpecrlError, match=f"already serves policy {version}"):
         run_rl(settings, env_name="format", minutes=0.1, out_dir=str(tmp_path / "run"))
     assert not list((tmp_path / "run").glob("*.log"))
+
+
+def test_an_environment_that_does_not_resolve_fails_before_any_process_starts(home, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    settings = Settings.load(home=home, model="tiny-random", deployment=f"test-rl-{uuid.uuid4().hex[:8]}",
+                             redis_url=REDIS_URL, port=free_port(), store=str(tmp_path / "store"))
+    for spec, message in (("user_envs:NoScore", "has no method score"), ("not_a_module:Env", "cannot import"),
+                          ("user_envs:YieldsStrings", "yielded a str")):
+        with pytest.raises(InvalidRequestError, match=message):
+            run_rl(settings, env_name=spec, minutes=0.1, out_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists() and not (tmp_path / "store").exists()

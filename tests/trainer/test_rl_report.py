@@ -2,7 +2,7 @@
 
 import pytest
 
-from specrl.apps.rl_report import acceptance_recovery, recovery_summary, summary_lines, write_report
+from specrl.apps.rl_report import acceptance_recovery, pipeline_lines, recovery_summary, summary_lines, write_report
 
 
 def _samples(*intervals, first: str = "v0"):
@@ -70,9 +70,30 @@ def test_report_files_and_summary(tmp_path, capsys):
     speed = {"with_speculation": {"tokens_per_s": 150.0}, "without_speculation": {"tokens_per_s": 100.0},
              "ratio": 1.5, "tasks": 8, "samples_per_task": 4, "rounds": 2, "policy": "v1"}
     report = {"env": "arithmetic", "evals": [{"policy": "base", "reward": 0.5, "ci95": 0.1}], "samples": samples,
-              "recovery": recovery_summary(swaps, window_tokens=100), "speed": speed}
+              "recovery": recovery_summary(swaps, window_tokens=100), "speed": speed, "pipeline": PIPELINE}
     write_report(tmp_path, report)
     assert (tmp_path / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
     err = capsys.readouterr().err
     assert "recovered after 240 tokens" in err and "1.50x" in err and "rl-report.json" in err
-    assert "not measured" in summary_lines({**report, "speed": {"error": "OSError()"}})[-1]
+    assert "environment" in err and "2.40/s" in err
+    assert "not measured" in summary_lines({**report, "speed": {"error": "OSError()"}, "pipeline": None})[-1]
+    write_report(tmp_path, {**report, "pipeline": None})       # a report from before the pipeline: no panel
+    assert (tmp_path / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+PIPELINE = {"seconds": 100.0, "stages": {
+    "generator": {"rollouts": 240, "rollouts_per_s": 2.4, "busy_s": 90.0, "paused_s": 5.0,
+                  "waited_s": {"environment": 3.5, "trainer": 1.0}},
+    "environment": {"scores": 240, "scores_per_s": 2.4, "workers": 4, "busy_s": 20.0,
+                    "waited_s": {"generator": 79.0}, "timeouts": 2, "deaths": 0, "faults": 2, "restarts": 2},
+    "trainer": {"samples": 224, "samples_per_s": 2.24, "busy_s": 30.0, "waited_s": {"environment": 70.0}}}}
+
+
+def test_pipeline_lines_put_the_stages_side_by_side():
+    header, generator, environment, trainer = pipeline_lines(PIPELINE)
+    assert "100 s" in header
+    assert generator.split()[:4] == ["generator", "240", "rollouts", "2.40/s"]
+    assert "3.5 s for the environment, 1.0 s for the trainer" in generator
+    assert "79.0 s for the generator" in environment and "4 workers, 2 timeouts" in environment
+    assert trainer.split()[:4] == ["trainer", "224", "samples", "2.24/s"] and "70.0 s for the environment" in trainer
+    assert pipeline_lines(None) == []

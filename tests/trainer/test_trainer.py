@@ -30,9 +30,10 @@ def deployment():
     r.delete(events_stream(name), events_stream(name) + ":dead")
 
 
-def fill_stream(home, deployment, tokenizer, n=24, max_tokens=40):
-    """Serve n greedy requests on the tiny model; their records land on the deployment's stream."""
-    sink = RedisSink(REDIS_URL, events_stream(deployment))
+def fill_stream(home, deployment, tokenizer, n=24, max_tokens=40, features=False):
+    """Serve n greedy requests on the tiny model; their records land on the deployment's stream
+    (with the target's features when `features`)."""
+    sink = RedisSink(REDIS_URL, events_stream(deployment), features_max_bytes=(1 << 22) if features else 0)
     settings = Settings.load(home=home, model="tiny-random", max_batch=8)
     engine = Engine.from_settings(settings, sink=sink, progress=False)
     prompts = chat_prompts(tokenizer, n)
@@ -46,8 +47,9 @@ def fill_stream(home, deployment, tokenizer, n=24, max_tokens=40):
 
 def make_trainer(home, tmp_path, deployment, tiny_dir, consumer="t0", publisher=None, **overrides):
     settings = Settings.load(home=home, model="tiny-random", deployment=deployment, consumer=consumer,
-                             store=str(tmp_path / "store"), train_records=4, heldout_fraction=0.25, lr=3e-3,
-                             publish_every_steps=10 ** 6, publish_every_s=10 ** 6, **overrides)
+                             store=str(tmp_path / "store"), **{"train_records": 4, "heldout_fraction": 0.25, "lr": 3e-3,
+                                                               "publish_every_steps": 10 ** 6, "publish_every_s": 10 ** 6,
+                                                               **overrides})
     reader = RecordReader(REDIS_URL, events_stream(deployment), GROUP, consumer)
     reader.ensure_group()
     return DrafterTrainer(settings, tiny_dir, reader, store=WeightsStore(settings.store_path), publisher=publisher,
@@ -80,12 +82,15 @@ def test_killed_trainer_loses_nothing_and_trains_nothing_twice(home, tmp_path, d
     fill_stream(home, deployment, tokenizer, n=12)
     records = [SegmentRecord.from_msgpack(f[b"r"]) for _, f in redis.Redis.from_url(REDIS_URL).xrange(events_stream(deployment))]
     heldout = sum(zlib.crc32(r.request_id.encode()) % 1000 < 250 for r in records)
-    first = make_trainer(home, tmp_path, deployment, tiny_dir, checkpoint_every_steps=2)
-    for _ in range(3):  # checkpoints + acks at step 2, then trains on more and "dies" before acking them
+    # It reads all 12 at once (its queue holds 4 steps of 3): trains 3 + 3, checkpoints (with the 2+
+    # examples still queued) and acks at step 2, then trains on more and "dies" before the next checkpoint.
+    first = make_trainer(home, tmp_path, deployment, tiny_dir, checkpoint_every_steps=2, train_records=3,
+                         trainer_replay_records=0)
+    for _ in range(3):
         first.run_once(block_ms=10)
-    assert first.unacked and first.step == 3
     saved = torch.load(tmp_path / "t0.pt", weights_only=False)
-    second = make_trainer(home, tmp_path, deployment, tiny_dir)  # same consumer and state file: resumes
+    assert first.step == 3 and first.records > saved["records"] and saved["queue"]
+    second = make_trainer(home, tmp_path, deployment, tiny_dir, train_records=3)  # same consumer and state: resumes
     assert (second.step, second.records) == (saved["step"], saved["records"]) == (2, saved["records"])
     drain(second)
     assert second.records == len(records) - heldout  # every training record exactly once
@@ -235,7 +240,9 @@ def test_reduced_draft_vocabulary_trains_on_the_tokens_it_can_draft(home, tmp_pa
     loss = trainer.train([example])
     assert loss == loss and loss != float("inf")  # finite
     assert not torch.equal(trainer.drafter.head, before)  # the reduced head is what learns
-    rows, ids = trainer._in_draft_vocab([(0, inside), (1, outside)], width=2)
+    from specrl.trainer.objectives import in_draft_vocab
+
+    rows, ids = in_draft_vocab(trainer.drafter, [(0, inside), (1, outside)], width=2)
     assert rows.tolist() == [0] and ids.tolist() == [inside]
 
 
@@ -244,3 +251,98 @@ def test_negative_unroll_steps_is_refused(home, tmp_path, deployment, tiny_dir):
 
     with pytest.raises(InvalidRequestError, match="unroll_steps must be >= 0, got -1"):  # the settings refuse it
         make_trainer(home, tmp_path, deployment, tiny_dir, unroll_steps=-1)
+
+
+def test_a_trainer_on_shipped_features_loads_no_target_layers(home, tmp_path, deployment, tiny_dir, tokenizer):
+    fill_stream(home, deployment, tokenizer, n=12, features=True)
+    trainer = make_trainer(home, tmp_path, deployment, tiny_dir, trainer_recompute=False)
+    day0 = copy.deepcopy(trainer.drafter)
+    drain(trainer)
+    assert trainer.step > 0 and trainer.features.shipped > 0 and len(trainer.heldout) > 0
+    assert trainer.targets.loaded_full == [] and trainer.tokens["trainer_recomputed"] == 0
+    assert trainer.tokens["trained"] > 0 and trainer.evaluate(trainer.drafter) > trainer.evaluate(day0)
+    assert redis.Redis.from_url(REDIS_URL).xpending(events_stream(deployment), GROUP)["pending"] == 0
+
+
+def test_a_trainer_without_a_target_stops_on_a_stream_without_features(home, tmp_path, deployment, tokenizer):
+    """`specrl train-drafter --no-trainer-recompute` against records without features: one line
+    naming the setting, exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    fill_stream(home, deployment, tokenizer, n=2)
+    proc = subprocess.run([sys.executable, "-m", "specrl.apps.cli", "train-drafter", "--model", "tiny-random",
+                           "--redis-url", REDIS_URL, "--deployment", deployment, "--store", str(tmp_path / "store"),
+                           "--consumer", "c-exit", "--no-trainer-recompute", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "SPECRL_HOME": str(tmp_path)})
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("specrl: error: ") and "carry no target features" in last and "--trainer-recompute" in last
+
+
+def test_features_that_do_not_fit_are_dead_lettered_with_the_reason(home, tmp_path, deployment, tiny_dir):
+    import dataclasses
+
+    def record(request_id, tokens, rows):
+        out = SegmentRecord(request_id, 0, "base", "day0", prompt_ids=[1, 2, 3, 4], tokens=tokens, finish_reason="stop")
+        out.set_features(0, rows)
+        return out
+
+    good = record("good", [5, 6], torch.randn(5, 64))  # 5 x 64 float16: 640 bytes, the budget below
+    short = dataclasses.replace(good, request_id="short", features=good.features[:-128])  # one row missing
+    wide = record("wide", [5, 6], torch.randn(5, 32))  # the tiny target's hidden size is 64
+    over = record("over", [5, 6, 7], torch.randn(6, 64))  # 768 bytes
+    r = redis.Redis.from_url(REDIS_URL)
+    for x in (good, short, wide, over):
+        r.xadd(events_stream(deployment), {"r": x.to_msgpack()})
+    trainer = make_trainer(home, tmp_path, deployment, tiny_dir, record_features_max_bytes=640, heldout_fraction=0.0)
+    drain(trainer)
+    reasons = {f[b"reason"].decode() for _, f in r.xrange(events_stream(deployment) + ":dead")}
+    assert len(reasons) == 3, reasons
+    assert any("do not fit a context of 6 tokens" in x for x in reasons)
+    assert any("feature_dim 32 is not the target's hidden size 64" in x for x in reasons)
+    assert any("exceed the budget of 640" in x for x in reasons)
+    assert trainer.records == 1 and trainer.features.shipped == 1
+    assert r.xpending(events_stream(deployment), GROUP)["pending"] == 0  # dead-lettered ones are acked too
+
+
+def test_old_records_expire_and_an_idle_trainer_replays(home, tmp_path, deployment, tiny_dir, tokenizer):
+    import time
+
+    fill_stream(home, deployment, tokenizer, n=6, features=True)
+    time.sleep(0.3)
+    stale = make_trainer(home, tmp_path / "stale", deployment, tiny_dir, trainer_max_age_s=0.2, heldout_fraction=0.0,
+                         consumer="stale")
+    drain(stale)
+    assert stale.records == 0 and stale.expired == 6 and stale.tokens["expired"] > 0 and stale.step == 0
+    assert redis.Redis.from_url(REDIS_URL).xpending(events_stream(deployment), GROUP)["pending"] == 0
+    redis.Redis.from_url(REDIS_URL).xgroup_destroy(events_stream(deployment), GROUP)
+    fresh = make_trainer(home, tmp_path / "fresh", deployment, tiny_dir, heldout_fraction=0.0, consumer="fresh",
+                         trainer_replay_records=8)
+    drain(fresh)  # its last call found nothing new and replayed (returning 0: no fresh work)
+    assert fresh.records == 6 and fresh.replays == 1 and fresh.replayed_records == 4
+    steps, replayed = fresh.step, fresh.tokens["replayed"]
+    assert fresh.run_once(block_ms=10) == 0  # still nothing new: it replays instead of idling
+    assert fresh.replays == 2 and fresh.step == steps + 1 and fresh.records == 6
+    assert fresh.tokens["replayed"] > replayed > 0
+
+
+def test_trainer_metrics_show_production_consumption_lag_and_token_uses(home, tmp_path, deployment, tiny_dir, tokenizer):
+    from specrl.apps.launch import free_port
+    from specrl.apps.scrape import sample_trainer
+    from specrl.trainer.main import _metrics
+
+    fill_stream(home, deployment, tokenizer, n=6, features=True)
+    trainer = make_trainer(home, tmp_path, deployment, tiny_dir)
+    port = free_port()
+    hook = _metrics(port)
+    hook(trainer)
+    drain(trainer)
+    trainer.throughput.update(trainer.records, trainer.tokens["trained"], 1.0, trainer.queue, force=True)
+    sample = sample_trainer(f"http://127.0.0.1:{port}")
+    assert sample["trained_records"] == trainer.records > 0 and sample["lag_records"] == 0
+    assert sample["produced_records_per_s"] >= 0 and sample["consumed_records_per_s"] >= 0
+    assert sample["uses"]["trained"] == trainer.tokens["trained"] > 0
+    assert sample["uses"]["trainer_recomputed"] == trainer.tokens["trainer_recomputed"]
+    assert set(sample["uses"]) >= {"trained", "replayed", "heldout", "expired", "unusable", "trainer_recomputed"}

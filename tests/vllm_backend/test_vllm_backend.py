@@ -13,7 +13,7 @@ import openai
 import psutil
 import pytest
 
-from tests.backends import VLLM_MARKS, vllm_backend
+from tests.backends import API_HEADERS, VLLM_MARKS, vllm_backend
 
 pytestmark = [pytest.mark.redis, *VLLM_MARKS]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -32,7 +32,7 @@ def client(live):
 
 def test_without_a_drafter_it_starts_and_serves(bare, backend):
     """vLLM refuses per-request spec-decode metrics without speculation; build.py asks for them only with a drafter."""
-    resp = httpx.post(bare.url + "/v1/chat/completions", timeout=60,
+    resp = httpx.post(bare.url + "/v1/chat/completions", timeout=60, headers=API_HEADERS,
                       json={"model": backend.model, "messages": QUESTION, "max_tokens": 8, "temperature": 0}).json()
     assert resp["system_fingerprint"] == "specrl:target=base;drafter=none"
     assert resp["choices"][0]["message"]["content"].startswith("The capital of France is Paris")
@@ -82,7 +82,7 @@ def test_engine_death_is_reported_fails_fast_and_exits_nonzero(servers, backend)
     assert children, "vLLM runs its engine core in a child process"
     for child in children:
         os.kill(child.pid, signal.SIGKILL)
-    resp = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=60, headers=API_HEADERS,
                       json={"model": backend.model, "messages": QUESTION, "max_tokens": 8}) \
         if server.proc.poll() is None else None
     assert resp is None or resp.status_code == 503

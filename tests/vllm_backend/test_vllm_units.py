@@ -1,7 +1,8 @@
 """vLLM-backend units that need vllm imported, checked in one child process (importing vllm into the
 test process changes torch's threading for every later test): the CPU expand fix gives the exact
-expansion at the caller's dtype, and the engine arguments ask for per-request spec-decode
-metrics only with a drafter (vLLM refuses them without speculation)."""
+expansion at the caller's dtype, the engine arguments ask for per-request spec-decode metrics
+only with a drafter (vLLM refuses them without speculation), prefix caching follows the
+setting, and every sampling parameter maps onto vLLM's SamplingParams."""
 
 import importlib.util
 import json
@@ -38,10 +39,34 @@ CHILD = textwrap.dedent("""
         y = rs.expand_batch_to_tokens(x, cu, 6, replace_from=-1, replace_to=1)
         out[name] = {"dtype": str(y.dtype), "values": y.tolist()}
     out["empty"] = rs.expand_batch_to_tokens(torch.tensor([0.8]), torch.tensor([0], dtype=torch.int32), 0).tolist()
+    from specrl.serving.vllm.cpu_fixes import install_empty_draft_fix
+
+    original = rs.apply_top_k_top_p
+    out["guard"] = [install_empty_draft_fix(), install_empty_draft_fix()]
+    empty = torch.zeros(0, 9)
+    out["guard_empty"] = list(rs.apply_top_k_top_p(empty, torch.zeros(0, dtype=torch.long), None).shape)
+    row = torch.tensor([[0.1, 3.0, 2.0, -1.0]])
+    out["guard_rows"] = torch.equal(rs.apply_top_k_top_p(row.clone(), torch.tensor([2]), None),
+                                    original(row.clone(), torch.tensor([2]), None))
     settings = Settings()
     for eagle in (None, Path("/tmp/eagle")):
         args = engine_args(settings, Path("/m"), Path("/m"), eagle)
         out[str(eagle)] = [args.per_request_spec_decode_metrics, args.speculative_config]
+    out["prefix_caching"] = [engine_args(Settings(prefix_cache=on), Path("/m"), Path("/m"), None).enable_prefix_caching
+                             for on in (True, False)]
+    from specrl.serving.vllm.loop import _vllm_params
+    from specrl.spec.sampling import SamplingParams
+    ours = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, min_tokens=3, seed=4,
+                          stop=("x",), stop_token_ids=(7,), ignore_eos=True, logprobs=2, repetition_penalty=1.2,
+                          presence_penalty=0.5, frequency_penalty=-0.5, logit_bias=((11, 2.5),),
+                          include_stop_str_in_output=True, skip_special_tokens=False,
+                          spaces_between_special_tokens=False)
+    theirs = _vllm_params(ours)
+    out["params"] = {name: getattr(theirs, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                     "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens")}
+    out["params"]["logit_bias"] = {str(k): v for k, v in theirs.logit_bias.items()}
     print("RESULT " + json.dumps(out))
 """)
 
@@ -74,6 +99,24 @@ def test_spec_decode_metrics_are_asked_for_only_with_a_drafter(child):
     assert child["None"] == ["none", None]
     metrics, spec = child["/tmp/eagle"]
     assert metrics == "summary" and spec["method"] == "eagle" and spec["model"] == "/tmp/eagle"
+
+
+def test_top_k_on_a_step_without_drafts_does_not_kill_the_engine(child):
+    """vLLM 0.32 takes k.max() of an empty tensor when no request drafts in a step and one has top_k."""
+    assert child["guard"][0].startswith("installed") and child["guard"][1].startswith("already")
+    assert child["guard_empty"] == [0, 9] and child["guard_rows"]
+
+
+def test_vllms_prefix_caching_follows_the_prefix_cache_setting(child):
+    assert child["prefix_caching"] == [True, False]
+
+
+def test_every_sampling_parameter_reaches_vllm(child):
+    assert child["params"] == {
+        "max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "min_tokens": 3, "seed": 4,
+        "stop": ["x"], "stop_token_ids": [7], "ignore_eos": True, "logprobs": 2, "repetition_penalty": 1.2,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "include_stop_str_in_output": True,
+        "skip_special_tokens": False, "spaces_between_special_tokens": False, "logit_bias": {"11": 2.5}}
 
 
 def test_reduced_draft_head_logits_land_at_their_target_ids():

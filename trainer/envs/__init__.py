@@ -1,33 +1,25 @@
 """Environments for the policy RL loop: seeded task sources with scorers (installed as `specrl.trainer.envs`).
 
-    env = make_env("arithmetic")                       # or "code", "format"
+    env = make_env("humaneval")                        # or "arithmetic", "code", "format", "package.module:Class"
     task = next(env.tasks("train", seed=0))            # Task(id, prompt, split, data); task.messages for chat
-    score = safe_score(env, task, completion, timeout_s=10.0)    # Score(reward in [0, 1], details, error)
+    with ScorePool("humaneval", workers=4, timeout_s=30.0) as pool:   # worker processes, each score time-bounded
+        [score] = pool.score(task, [completion])       # Score(reward in [0, 1], details, error)
 
-See `base` for the interface, and each module for its tasks, splits and scoring rule.
+See `base` for the interface a user's environment implements, `registry` for how a spec resolves,
+`pool` for the scoring workers, `sandbox` and `solution` for running a code answer, and each
+environment's module for its tasks, splits and scoring rule.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from specrl.trainer.envs.arithmetic import ArithmeticEnv
-from specrl.trainer.envs.base import Environment, Score, Task, safe_score
+from specrl.trainer.envs.base import Environment, Score, Task, checked_score
 from specrl.trainer.envs.code import CodeEnv
 from specrl.trainer.envs.format import FormatEnv
+from specrl.trainer.envs.humaneval import HumanEvalEnv
+from specrl.trainer.envs.pool import ScorePool
+from specrl.trainer.envs.registry import ENV_HELP, ENVIRONMENTS, env_max_tokens, env_timeout_s, make_env, take_tasks
 
-ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "code": CodeEnv, "format": FormatEnv}
-
-
-def make_env(name: str, **options: Any) -> Environment:
-    """The environment called `name`, built with `options` (e.g. `limits=` for code).
-
-    Raises ValueError for an unknown name, naming the valid ones.
-    """
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; choose one of: {', '.join(ENVIRONMENTS)}")
-    return ENVIRONMENTS[name](**options)
-
-
-__all__ = ["ENVIRONMENTS", "ArithmeticEnv", "CodeEnv", "Environment", "FormatEnv", "Score", "Task", "make_env",
-           "safe_score"]
+__all__ = ["ENVIRONMENTS", "ENV_HELP", "ArithmeticEnv", "CodeEnv", "Environment", "FormatEnv", "HumanEvalEnv",
+           "Score", "ScorePool", "Task", "checked_score", "env_max_tokens", "env_timeout_s", "make_env",
+           "take_tasks"]

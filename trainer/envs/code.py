@@ -5,7 +5,8 @@ function name, parameter names, one worked example and TESTS_PER_TASK test calls
 `random.Random`; the expected values come from the template's reference implementation, here in
 the parent, and never reach the child. Held out: the HELDOUT_FRACTION of templates that sort
 first by crc32 of their key (the rule of `specrl.data.prompts`), so held-out tasks ask for
-functions never asked for in training.
+functions never asked for in training. They are easy: the base model solves them all greedily,
+so this environment is a quick smoke test of the loop; measure code with `humaneval`.
 
 Scoring
   1. extract the code: the last ```python (or bare ```) block that defines the function, else all
@@ -36,45 +37,15 @@ from typing import Any, Callable, Iterator
 from specrl.data.prompts import heldout_topics
 from specrl.trainer.envs.base import Score, Task, check_split, task_id
 from specrl.trainer.envs.sandbox import Limits, isolation, run_python
+from specrl.trainer.envs.solution import HARNESS_PRELUDE, MAX_CODE_CHARS, defines, python_blocks, result_records
 
 TESTS_PER_TASK = 5
-MAX_CODE_CHARS = 32_000
 
-_HARNESS = r"""
-import json, os, sys
-_out = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+_HARNESS = HARNESS_PRELUDE + r"""
 def _emit(**record):
     _out.write(json.dumps(record) + "\n")
-def _error(exc):
-    return f"{type(exc).__name__}: {exc}"[:300]
-def _finish():                               # exit without running the code's atexit hooks
-    for stream in (sys.stdout, sys.stderr, _out):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    os._exit(0)
-_job = json.loads(sys.stdin.read())
-sys.stdin.close()
-_lines = _job["code"].split("\n")
-while True:                                  # run the code up to the line where it stops being Python
-    try:
-        _compiled = compile("\n".join(_lines), "solution.py", "exec")
-        break
-    except SyntaxError as exc:
-        if not exc.lineno or exc.lineno <= 1 or len(_lines) <= 1:
-            _emit(stage="load", error=_error(exc))
-            _finish()
-        _lines = _lines[:min(exc.lineno - 1, len(_lines) - 1)]
-_namespace = {"__name__": "solution"}
-try:
-    exec(_compiled, _namespace)
-    _function = _namespace.get(_job["function"])
-    if not callable(_function):
-        raise NameError(f"the code defines no function {_job['function']!r}")
-except BaseException as exc:
-    _emit(stage="load", error=_error(exc))
-    _finish()
+_namespace, _ = _load("", _job["code"], _job["function"], _emit)
+_function = _namespace[_job["function"]]
 _emit(stage="loaded")
 for _i, _args in enumerate(_job["calls"]):
     try:
@@ -124,7 +95,7 @@ class CodeEnv:
             return Score(0.0, details, f"code longer than {MAX_CODE_CHARS} characters")
         job = json.dumps({"code": code, "function": task.data["function"], "calls": task.data["calls"]})
         outcome = run_python(_HARNESS, job.encode(), self.limits)
-        records = _records(outcome.results)
+        records = result_records(outcome.results)
         details.update(stdout=outcome.stdout[:500], stderr=outcome.stderr[-500:], elapsed_s=round(outcome.elapsed_s, 3),
                        sandbox=isolation().network)
         load = next((r for r in records if r.get("stage") == "load"), None)
@@ -142,9 +113,8 @@ class CodeEnv:
 
 def extract_code(completion: str, function: str) -> str:
     """The Python code of a completion (see the module docstring for the rule)."""
-    blocks = [body for lang, body in re.findall(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", completion, re.DOTALL)
-              if lang.lower() in ("", "python", "py", "python3")]
-    defining = [b for b in blocks if re.search(rf"^\s*def\s+{re.escape(function)}\s*\(", b, re.MULTILINE)]
+    blocks = python_blocks(completion)
+    defining = [b for b in blocks if defines(b, function)]
     if defining:
         return defining[-1]
     if blocks:
@@ -152,18 +122,6 @@ def extract_code(completion: str, function: str) -> str:
     lines = completion.splitlines()
     start = next((i for i, line in enumerate(lines) if re.match(r"(def|import|from|class)\s", line)), len(lines))
     return "\n".join(lines[start:])
-
-
-def _records(results: str) -> list[dict]:
-    records = []
-    for line in results.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 def _check(record: dict | None, expected: Any) -> tuple[bool, Any]:

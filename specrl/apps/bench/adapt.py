@@ -25,7 +25,10 @@ measurements (or `--threads`): more threads than free cores is many times slower
 when anything else runs, and ratios need the same threads on both sides, not all the cores.
 
 Trainer throughput: records trained (the trainer's event file, the last `evaluate` event's `records`)
-per traffic second; stream records produced and delivered to the trainer per traffic second.
+per traffic second; stream records produced and delivered to the trainer per traffic second. Every
+SERVED_EVERY_S the server's and the trainer's /metrics are sampled: served acceptance, the
+trainer's production vs consumption rates and lag, and the effective-token yield (useful /
+computed, specrl/telemetry/token_use.py) with its parts, over time (JSON `served`, PNG).
 
 Lag from a request's completion to a published drafter that learned from it: a record's arrival
 is its stream entry id (the Redis clock, ms; a request's last segment is written when it
@@ -250,9 +253,12 @@ class Run:
         self.meter.reset_index()  # the meter's suffix index learns this run's traffic as another replica would
         self.feed = FleetFeed(self.redis_url, self.stream, "bench-meter", self.meter.index,
                               deployment=self.deployment).start()
+        self.trainer_url = f"http://127.0.0.1:{free_port()}"
         self.children["trainer"] = spawn(["train-drafter", *common, "--server", self.url, "--objective",
                                            self.spec.objective, "--publish-every-s", f"{self.publish_every_s:g}",
-                                           "--trainer-events", str(self.events_path)], env, self.out / "trainer.log")
+                                           "--trainer-events", str(self.events_path),
+                                           "--metrics-port", self.trainer_url.rpartition(":")[2]], env,
+                                          self.out / "trainer.log")
         _wait_for_start(self.children["trainer"], self.events_path, self.out / "trainer.log")
         threading.Thread(target=self._poll, daemon=True).start()
 
@@ -329,7 +335,7 @@ class Run:
         import redis
 
         from specrl.trainer.main import GROUP
-        from specrl.apps.scrape import rates, sample_metrics
+        from specrl.apps.scrape import rates, sample_metrics, sample_trainer, yield_of
 
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
         previous, next_served = None, 0.0
@@ -347,6 +353,8 @@ class Run:
                 sample = sample_metrics(self.url, self.started)
                 if sample is not None:
                     sample["traffic_s"] = self.clock(time.time())
+                    sample["trainer"] = sample_trainer(self.trainer_url)
+                    sample["yield"] = yield_of(sample, sample["trainer"])
                     if previous is not None:
                         self.served.append({**sample, **rates(previous, sample)})
                     previous = sample

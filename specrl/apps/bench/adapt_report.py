@@ -5,7 +5,6 @@ hands its raw runs here; how each number is measured is written there."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from bisect import bisect_left
@@ -15,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from specrl.apps.bench.backends import settings_record
 from specrl.config import Settings
 from specrl.telemetry.event_log import read_events
 
@@ -94,7 +94,8 @@ def build_result(settings: Settings, minutes: float, objectives: list[str], shif
                                                              last["drafters"][name]["b1"]["tokens_per_step"]]}
                                for name in CONFIGURATIONS if name in last["drafters"]},
                  "publishes": len(run["publishes"]), "trained_records_per_s": run["throughput"]["trained_records_per_s"],
-                 "lag_median_s": run["lag"].get("median_s")}
+                 "lag_median_s": run["lag"].get("median_s"),
+                 "token_yield": next((s["yield"] for s in reversed(run["served"]) if s.get("yield")), None)}
         if "frozen" in last["drafters"]:
             frozen = last["drafters"]["frozen"]
             entry["online_over_frozen_b1"] = online["b1"]["tokens_per_s"] / frozen["b1"]["tokens_per_s"]
@@ -106,7 +107,7 @@ def build_result(settings: Settings, minutes: float, objectives: list[str], shif
         "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "child_threads": child_threads, "model": settings.model,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()},
+        "settings": settings_record(settings),
         "minutes": minutes, "objectives": objectives, "shift": shift, "users": users,
         "redis": "REDIS_URL" if redis_external else "embedded valkey",
         "measurement": measurement,
@@ -141,6 +142,11 @@ def print_table(result: dict) -> None:
               f"lag completion -> published drafter median {fmt(lag.get('median_s'))} s, p90 {fmt(lag.get('p90_s'))} s "
               f"({lag['not_yet_published']} of {lag['records']} records not yet in a published drafter)")
         s = result["summary"][run["name"]]
+        y = s.get("token_yield")
+        if y and y.get("yield") is not None:
+            parts = ", ".join(f"{use} {count:.0f}" for use, count in sorted(y["uses"].items()))
+            print(f"{run['name']}: token yield {y['yield']:.2f} (useful {y['useful']:.0f} of {y['computed']:.0f} computed), "
+                  f"trained share {fmt(y['trained_share'])}; {parts}")
         if "online_over_frozen_b1" in s:
             print(f"{run['name']}: online / frozen ({s['frozen_version']}) tokens/s on held-out "
                   f"{shifted_to}: B=1 {s['online_over_frozen_b1']:.2f}x, B=4 {fmt(s['online_over_frozen_b4'])}x")
@@ -152,8 +158,10 @@ def plot(result: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     fixed_k, shifted_to = result["measurement"]["fixed_k"], result["measurement"]["shift_domains"][1]
-    fig = Figure(figsize=(12, 8))
-    (acc, ratio), (objectives, extra) = fig.subplots(2, 2)
+    from specrl.apps.up import plot_yield
+
+    fig = Figure(figsize=(12, 12))
+    (acc, ratio), (objectives, extra), (yields, flow) = fig.subplots(3, 2)
     colors = [f"C{i}" for i in range(10)]
     for run, color in zip(result["runs"], colors):
         points = run["checkpoints"]
@@ -177,6 +185,15 @@ def plot(result: dict, path: Path) -> None:
             if name != "online":  # tokens per step (B=1, adaptive): the index's and the hybrid's acceptance
                 acc.plot(minutes, [d["b1"]["tokens_per_step"] for d in series], marker + ("--" if name == "suffix" else "-."),
                          color=color, alpha=0.7, label=f"{run['name']}: {shown}, tokens/step B=1")
+        served = [s for s in run["served"] if s.get("yield")]
+        if served:
+            plot_yield(yields, [s["traffic_s"] / 60 for s in served], [s["yield"] for s in served], run["name"], color)
+            trainer = [(s["traffic_s"] / 60, s["trainer"]) for s in served if s.get("trainer")]
+            for name, style in (("produced_records_per_s", "-"), ("consumed_records_per_s", "--")):
+                flow.plot([m for m, _ in trainer], [t.get(name) for _, t in trainer], style, color=color,
+                          label=f"{run['name']}: {name.split('_')[0]}")
+            flow.plot([m for m, _ in trainer], [t.get("lag_records") for _, t in trainer], ":", color=color,
+                      label=f"{run['name']}: lag (records)")
         for p in run["publishes"]:
             for ax in (acc, ratio):
                 ax.axvline(p["traffic_s"] / 60, color=color, alpha=0.25, linewidth=0.8)
@@ -202,7 +219,10 @@ def plot(result: dict, path: Path) -> None:
                    title="objectives")
     if not extra.get_ylabel():
         extra.set(ylabel="served acceptance length (live /metrics)", xlabel="traffic minutes")
-    for ax in (acc, ratio, objectives, extra):
+    yields.set(xlabel="traffic minutes", title="effective-token yield (server + trainer /metrics)")
+    flow.set(ylabel="records/s; lag in records", xlabel="traffic minutes",
+             title="trainer: production vs consumption (last 30 s), lag")
+    for ax in (acc, ratio, objectives, extra, flow):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="x-small")
     fig.suptitle(f"bench adapt: {result['model']}, {result['minutes']:g} min of traffic per run, {result['users']} users")

@@ -1,7 +1,7 @@
 """`specrl bench serve`: a live `specrl serve` under locust load, scenarios side by side in one run,
-for each backend of `--backend native,vllm`.
+for each backend of `--backend native,vllm`; and the prefix-reuse workloads (`--scenarios`).
 
-Scenarios, each `duration_s` seconds of `users` locust users (loadtest/locustfile.py: chat and
+Swap scenarios ("swaps"), each `duration_s` seconds of `users` locust users (loadtest/locustfile.py: chat and
 text completions, streaming and not, 16-32 tokens):
 
 - telemetry_off: a server without Redis (records stay in memory), no swaps;
@@ -19,6 +19,11 @@ entries) and the per-step events inside them, per second over the same span as r
 (the records its sink dropped beside them). Ratios per
 backend: p99 ITL with swaps over baseline, telemetry on over off throughput; across backends:
 vLLM / native per scenario and metric.
+
+Prefix reuse ("prefix", specrl/apps/bench/prefix_reuse.py): per backend two servers without
+telemetry, prefix cache on and off (`--no-prefix-cache`), at least 8 KV slots; shared_prefix
+(a 1,000-token system prompt, varied user turns: TTFT p50) and n8 (n = 8 completions: time to the
+8th first token), with reuse over without and the issue's targets.
 
 Swap latency, compared across backends, is the admin call's wall time as the swap driver sees
 it (verify against the manifest, load, apply). The servers' own `swap_ms` and `load_ms` are
@@ -56,6 +61,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from specrl.apps.bench import prefix_reuse
 from specrl.apps.bench.backends import (NATIVE, VLLM, add_backends_flag, bench_threads, parse_backends, ratio,
                                         settings_record, vllm_env, vllm_version)
 from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
@@ -69,6 +75,7 @@ from specrl.errors import InvalidRequestError
 LOCUSTFILE = Path(importlib.util.find_spec("specrl.loadtest.locustfile").origin)
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 START_TIMEOUT_S = 600.0
+SCENARIO_GROUPS = ("swaps", "prefix")  # the locust scenarios with swaps and telemetry; prefix reuse
 FLUSH_WAIT_S = 1.0  # after a scenario, for the servers' sinks to send what they queued
 # metrics compared across backends, vLLM over native (`metric` reads them from a row)
 CROSS_METRICS = ("requests_per_s", "tokens_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "swap_call_ms_p50",
@@ -107,38 +114,50 @@ def register(sub) -> None:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per scenario")
     p.add_argument("--users", type=int, default=4, help="concurrent locust users")
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-serve-<time>)")
+    p.add_argument("--scenarios", default=",".join(SCENARIO_GROUPS),
+                   help="comma-separated groups: swaps (locust load, swaps, telemetry off/on; needs Redis), prefix "
+                        "(shared 1,000-token system prompt and n=8, prefix cache on vs off)")
+    p.add_argument("--prefix-requests", type=int, default=12,
+                   help="shared-prefix requests per server (n=8 trials: a quarter of it, at least 2)")
     add_settings(p, *COMMON, *ENGINE, "redis_url")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     backends = parse_backends(args.backends)
+    groups = tuple(g.strip() for g in args.scenarios.split(",") if g.strip())
     run_serve_bench(settings_from(args), duration_s=args.duration, users=args.users, out_dir=args.out,
-                    backends=tuple(backends))
+                    backends=tuple(backends), groups=groups, prefix_requests=args.prefix_requests)
     return 0
 
 
 def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4, out_dir: str | None = None,
-                    backends: tuple[str, ...] = (NATIVE,)) -> dict:
-    """Run every scenario on every backend; print a table; write bench-serve.json and
-    bench-serve.png. -> the report."""
+                    backends: tuple[str, ...] = (NATIVE,), groups: tuple[str, ...] = SCENARIO_GROUPS,
+                    prefix_requests: int = 12) -> dict:
+    """Run the scenario groups on every backend; print tables; write bench-serve.json and (with
+    the swap scenarios) bench-serve.png. -> the report."""
     from specrl.assets import resolve_model
 
     if duration_s < 2 or users < 1:
         raise InvalidRequestError("--duration must be >= 2 seconds and --users >= 1")
+    unknown = [g for g in groups if g not in SCENARIO_GROUPS]
+    if unknown or not groups:
+        raise InvalidRequestError(f"--scenarios takes some of {','.join(SCENARIO_GROUPS)}, got {','.join(groups)!r}")
+    if prefix_requests < 1:
+        raise InvalidRequestError("--prefix-requests must be >= 1")
     out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-serve-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(settings.model, settings.home)
     redis_url = settings.redis_url or DEFAULT_REDIS
     settings = settings.replace(threads=bench_threads(settings.threads))
-    rows, timelines, servers = [], {}, []
+    rows, timelines, servers, prefix_rows = [], {}, [], []
     with tempfile.TemporaryDirectory(prefix="specrl-bench-serve-") as tmp:
         _progress(f"preparing weight versions of {settings.model} in {tmp}")
         store = Path(tmp) / "store"
         versions = prepare_versions(store, model_dir)
         for backend in backends:
             _reset_current(store, versions)
-            for telemetry in (False, True):
+            for telemetry in (False, True) if "swaps" in groups else ():
                 server = _Server.start(settings, store, out, redis_url if telemetry else None, backend)
                 try:
                     for scenario in (s for s in SCENARIOS if s.telemetry == telemetry):
@@ -147,12 +166,37 @@ def run_serve_bench(settings: Settings, duration_s: float = 30.0, users: int = 4
                         rows.append(row)
                 finally:
                     servers.append(server.stop())
+            if "prefix" in groups:
+                prefix_rows += _run_prefix_reuse(settings, store, out, backend, prefix_requests, servers)
     result = _result(settings, model_dir, duration_s, users, versions, rows, servers, redis_url, backends)
-    _print_table(result)
+    result["prefix_reuse"] = {"rows": prefix_rows, "ratios": prefix_reuse.reuse_ratios(prefix_rows)}
+    if rows:
+        _print_table(result)
+    if prefix_rows:
+        _print_prefix_table(result["prefix_reuse"])
     (out / "bench-serve.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(result, timelines, out / "bench-serve.png")
-    print(f"report: {out / 'bench-serve.json'}\nchart:  {out / 'bench-serve.png'}")
+    print(f"report: {out / 'bench-serve.json'}")
+    if rows:
+        _plot(result, timelines, out / "bench-serve.png")
+        print(f"chart:  {out / 'bench-serve.png'}")
     return result
+
+
+def _run_prefix_reuse(settings: Settings, store: Path, out: Path, backend: str, requests: int,
+                      servers: list[dict]) -> list[dict]:
+    """The prefix-reuse workloads against a server with the prefix cache on, then one with it off
+    (no telemetry; room for n = 8 at once). -> their rows; the servers' records join `servers`."""
+    rows = []
+    for on in (True, False):
+        server = _Server.start(settings.replace(prefix_cache=on, max_batch=max(settings.max_batch, prefix_reuse.N)),
+                               store, out, None, backend)
+        try:
+            _progress(f"backend={backend} prefix reuse prefix_cache={'on' if on else 'off'} requests={requests}")
+            for scenario, row in prefix_reuse.measure(server.url, settings.model, requests, settings.seed).items():
+                rows.append({"backend": backend, "scenario": scenario, "prefix_cache": on, **row})
+        finally:
+            servers.append(server.stop())
+    return rows
 
 
 def _reset_current(store_root: Path, versions: dict[str, list[str]]) -> None:
@@ -193,7 +237,8 @@ class _Server:
         args = ["serve", "--backend", backend, "--model", settings.model, "--home", str(settings.home),
                 "--host", "127.0.0.1", "--port", str(port), "--store", str(store), "--deployment", deployment,
                 "--drafter", settings.drafter, "--max-batch", str(settings.max_batch),
-                "--max-draft-tokens", str(settings.max_draft_tokens), "--threads", str(settings.threads)]
+                "--max-draft-tokens", str(settings.max_draft_tokens), "--threads", str(settings.threads),
+                "--prefix-cache" if settings.prefix_cache else "--no-prefix-cache"]
         args += ["--redis-url", redis_url] if redis_url else []
         env = {**os.environ, "SPECRL_ADMIN_TOKEN": token}
         if backend != NATIVE:  # its exported drafters go to the bench's temporary directory, removed at the end
@@ -374,7 +419,7 @@ def _result(settings: Settings, model_dir: Path, duration_s: float, users: int, 
                      "locust": importlib.metadata.version("locust"), "vllm": vllm_version(),
                      "python": sys.version.split()[0]},
         "model": settings.model, "model_dir": str(model_dir), "weights": versions, "redis_url": redis_url,
-        "settings": {k: v for k, v in settings_record(settings).items() if k != "admin_token"},
+        "settings": {k: v for k, v in settings_record(settings).items() if k not in ("admin_token", "api_key")},
         "backends": list(backends), "threads": settings.threads, "duration_s": duration_s, "users": users,
         "scenarios": rows, "ratios": serve_ratios(rows), "servers": servers,
     }
@@ -403,6 +448,23 @@ def _print_table(result: dict) -> None:
                 print(f"vllm/native {scenario}: " + ", ".join(f"{m} {_fmt(v, '.2f')}" for m, v in values.items()))
         else:
             print(f"{group}: " + ", ".join(f"{name} {_fmt(v, '.2f')}" for name, v in ratios.items()))
+
+
+def _print_prefix_table(reuse: dict) -> None:
+    """The prefix-reuse rows (ms; the servers' prefix counters over each workload) and ratios."""
+    print(f"{'backend':<7} {'scenario':<13} {'reuse':<5} {'TTFT p50':>9} {'8th first p50':>13} {'queries':>8} "
+          f"{'hits':>7}")
+    for r in reuse["rows"]:
+        first = r.get("ttft_ms") or r.get("first_token_ms")
+        eighth = (r.get("eighth_first_token_ms") or {}).get("p50")
+        print(f"{r['backend']:<7} {r['scenario']:<13} {'on' if r['prefix_cache'] else 'off':<5} "
+              f"{_fmt(first['p50']):>9} {_fmt(eighth):>13} {r['prefix_cache_queries']:>8.0f} "
+              f"{r['prefix_cache_hits']:>7.0f}")
+    print("(TTFT p50: shared_prefix's, for n8 its first choice's; 8th first: n8's last choice's first token)")
+    for backend, values in reuse["ratios"].items():
+        print(f"{backend} prefix reuse: " + ", ".join(
+            f"{name} {_fmt(v['ratio'], '.3f')} (target <= {v['target']}, {'met' if v['met'] else 'NOT met'})"
+            for name, v in values.items()))
 
 
 def _plot(result: dict, timelines: dict, path: Path) -> None:

@@ -1,0 +1,25 @@
+"""`specrl up`'s status line: the trainer's production vs consumption, lag, expired and replayed
+records and the token yield, from the two /metrics samples (no processes)."""
+
+from specrl.apps.scrape import yield_of
+from specrl.apps.up import _status_line
+
+
+def sample(trainer):
+    server = {"uses": {"prompt": 300.0, "served": 100.0, "prompt_repeated": 50.0, "draft_rejected": 50.0}}
+    return {"t": 60.0, "requests_per_s": 1.0, "tokens_per_s": 20.0, "speedup": 1.2, "tokens_per_step": 1.5,
+            "suffix_acceptance_rate": 0.5, "head_acceptance_rate": 0.25, "policy": "base", "drafter": "day0",
+            "swap": False, "trainer": trainer, "yield": yield_of(server, trainer)}
+
+
+def test_the_status_line_shows_the_trainers_rates_lag_and_the_yield():
+    trainer = {"produced_records_per_s": 0.81, "consumed_records_per_s": 0.74, "lag_records": 12.0, "lag_s": 31.0,
+               "expired": 3.0, "replays": 0.0, "uses": {"trained": 200.0, "trainer_recomputed": 0.0}}
+    line = _status_line(sample(trainer))
+    assert "trainer: in=0.81 out=0.74 rec/s lag=12 rec/31s expired=3 replays=0" in line
+    assert "yield=80%" in line  # useful 400 of 500 computed
+
+
+def test_the_status_line_says_when_the_trainer_does_not_answer():
+    line = _status_line(sample(None))
+    assert "trainer: -" in line and "yield" not in line

@@ -91,7 +91,7 @@ class EngineLoop:
     @property
     def info(self) -> dict[str, str]:
         plan = self.engine.plan
-        return {"backend": "native", "dtype": str(plan.dtype).removeprefix("torch.") if plan else "float32",
+        return {"backend": "native", "dtype": str(plan.weight_dtype).removeprefix("torch.") if plan else "float32",
                 "dtype_reason": plan.note if plan else "plain float32 models"}
 
     @property

@@ -40,9 +40,11 @@ class Settings:
                                    "or 'none'")
     store: str = setting("", "weights store root (default <home>/weights)")
     threads: int = setting(0, "torch intra-op threads (0: torch's default)")
-    dtype: str = setting("auto", "serving weights and KV cache: auto (bfloat16 where the CPU has native bf16 dot "
-                                 "products, avx512_bf16 or AMX; else float32), float32 or bfloat16",
-                         choices=("auto", "float32", "bfloat16"))
+    dtype: str = setting("auto", "serving weights: float32; float16 (weights only: half the bytes a decode step "
+                                 "streams, computed in float32); bfloat16 (weights, activations and KV cache). auto: "
+                                 "float16 where the CPU has avx2+fma+f16c, else float32 (vLLM: bfloat16 where the "
+                                 "CPU has native bf16, else float32)",
+                         choices=("auto", "float32", "float16", "bfloat16"))
     seed: int = setting(0, "seed of the engine's own randomness and of day-0 drafters")
     # ---- engine
     max_batch: int = setting(8, "KV slots: the most sequences decoded together")

@@ -75,10 +75,20 @@ def backend(request):
     return native_backend(request.getfixturevalue("tiny_dir"))
 
 
+POOLED = {"live": "shared", "bare": "bare"}  # fixture -> the pool configuration it serves
+
+
+def asked_configs(items) -> tuple[str, ...]:
+    """The pool configurations these test items ask for by fixture: a pool starts them together."""
+    names = {name for item in items for name in item.fixturenames}
+    return tuple(config for fixture, config in POOLED.items() if fixture in names)
+
+
 @pytest.fixture(scope="session")
-def vllm_servers(home, tmp_path_factory, smollm_dir):
+def vllm_servers(request, home, tmp_path_factory, smollm_dir):
     """The one vLLM server pool of the test run (engines start on first use)."""
-    pool = ServerPool(vllm_backend(smollm_dir), home, tmp_path_factory.mktemp("vllm"))
+    together = asked_configs(item for item in request.session.items if item.get_closest_marker("vllm"))
+    pool = ServerPool(vllm_backend(smollm_dir), home, tmp_path_factory.mktemp("vllm"), together)
     yield pool
     pool.close()
 
@@ -89,7 +99,9 @@ def servers(request, backend, home, tmp_path_factory):
     if backend.name == "vllm":
         yield request.getfixturevalue("vllm_servers")
         return
-    pool = ServerPool(backend, home, tmp_path_factory.mktemp("native"))
+    together = asked_configs(item for item in request.session.items if item.module is request.module
+                             and getattr(item, "callspec", None) and item.callspec.params.get("backend") == "native")
+    pool = ServerPool(backend, home, tmp_path_factory.mktemp("native"), together)
     yield pool
     pool.close()
 

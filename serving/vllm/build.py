@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from specrl.config import Settings
-from specrl.models.calibration import cpu_info, resolve_dtype
+from specrl.models.calibration import NATIVE_BF16_FLAGS, cpu_info, resolve_dtype
 from specrl.spec.controller import CostModel, SpeculationController, expected_tokens
 from specrl.engine.start import DAY0, StartWeights, build_drafter, start_weights
 from specrl.serving.vllm import check_version
@@ -34,13 +34,13 @@ def build_vllm_loop(settings: Settings, store: WeightsStore) -> VllmLoop:
     if drafter_dir is not None:
         eagle_dir = Path(tempfile.mkdtemp(prefix="specrl-eagle-"))
         export_vllm(drafter_dir, model_dir, eagle_dir)
-    dtype, dtype_reason = resolve_dtype(settings.dtype, cpu_info()[1])
+    dtype, dtype_reason = vllm_dtype(settings.dtype, cpu_info()[1])
     schedule = None
     if drafter_dir and settings.fixed_draft_tokens >= 0:  # benchmarks and tests: the same k at every batch size
         schedule = [(1, settings.max_batch, settings.fixed_draft_tokens)]
     elif drafter_dir:
         schedule = measured_schedule(settings, model_dir, drafter_dir, store, drafter_version)
-    args = engine_args(settings, model_dir, base, eagle_dir, str(dtype).removeprefix("torch."), schedule)
+    args = engine_args(settings, model_dir, base, eagle_dir, dtype, schedule)
     options = {"model_dir": str(model_dir), "drafter_dir": str(drafter_dir) if drafter_dir else None,
                "eagle_dir": str(eagle_dir) if eagle_dir else None, "redis_url": settings.redis_url,
                "deployment": settings.deployment, "replica": settings.replica, "content": settings.telemetry_content,
@@ -51,6 +51,20 @@ def build_vllm_loop(settings: Settings, store: WeightsStore) -> VllmLoop:
     return VllmLoop(args, AutoTokenizer.from_pretrained(base), settings, worker_options=options,
                     has_drafter=drafter_dir is not None, vocab_size=LlamaConfig.from_dir(model_dir).vocab_size,
                     info={"backend": "vllm", "dtype": args.dtype, "dtype_reason": dtype_reason})
+
+
+def vllm_dtype(requested: str, flags: frozenset[str]) -> tuple[str, str]:
+    """settings.dtype -> (vLLM's --dtype, a one-line reason). float16 weights computed in float32 are
+    the native engine's stream kernel; vLLM has no such mode (its float16 computes in float16), so
+    auto and float16 take vLLM's fastest exact-enough dtype here: bfloat16 where the CPU has native
+    bf16 dot products, else float32."""
+    if requested in ("auto", "float16"):
+        native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+        if native:
+            return "bfloat16", f"dtype=bfloat16 ({requested} on vLLM: the CPU has {'+'.join(native)})"
+        return "float32", f"dtype=float32 ({requested} on vLLM: no native bf16 dot products)"
+    dtype, reason = resolve_dtype(requested, flags)
+    return str(dtype).removeprefix("torch."), reason
 
 
 def engine_args(settings: Settings, model_dir: Path, base: Path, eagle_dir: Path | None, dtype: str = "float32",

@@ -58,6 +58,7 @@ class Telemetry:
 
     sent: int = 0
     dropped: int = 0
+    dropped_tokens: int = 0
     queued: int = 0
 
 
@@ -249,7 +250,7 @@ class VllmLoop:
                     [reply] = await asyncio.wait_for(self.engine.collective_rpc("specrl_telemetry"), timeout=30)
                     if reply.get("ok"):
                         self.telemetry.sent, self.telemetry.dropped = reply["sent"], reply["dropped"]
-                        self.telemetry.queued = reply["queued"]
+                        self.telemetry.queued, self.telemetry.dropped_tokens = reply["queued"], reply["dropped_tokens"]
                 except Exception:  # noqa: BLE001 - a dead engine shows in `alive` below
                     pass
             await asyncio.sleep(1.0)

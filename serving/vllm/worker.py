@@ -104,6 +104,7 @@ class SpecrlWorkerExtension:
         rec = self._specrl_recorder
         sink = rec.sink
         return {"sent": getattr(sink, "sent", 0), "dropped": getattr(sink, "dropped", 0),
+                "dropped_tokens": getattr(sink, "dropped_tokens", 0),
                 "queued": getattr(sink, "queued", 0), "emitted": getattr(sink, "emitted", 0),
                 "steps": rec.steps, "errors": rec.errors}
 

@@ -40,10 +40,11 @@ import torch
 
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for
 
-SCHEMA = 1
+SCHEMA = 2  # 2: two passes per measurement
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 136, 512)
 HEAD_BUCKETS = tuple(b for b in BUCKETS if b <= 48)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # the weights' dtype
+STREAM_FLAGS = ("avx2", "fma", "f16c")  # the stream kernel's vector path (AVX-512F is a superset here)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
              "avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
@@ -62,17 +63,30 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 
 
 def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[torch.dtype, str]:
-    """"auto" | "float32" | "bfloat16" -> (the dtype, a one-line reason). auto: bfloat16 only where
-    the CPU has native bf16 dot products (avx512_bf16 or amx_bf16); without them bf16 is emulated
-    and measured 2.2x (1x5) to 4.9x (8x5 rows) slower than fp32 on an AVX2 EPYC."""
+    """"auto" | "float32" | "float16" | "bfloat16" -> (the weights' dtype, a one-line reason).
+
+    float16 stores the weights in half precision for the stream kernel (linear.py), which converts
+    them in registers and computes in float32: activations, KV cache, products and sums stay
+    float32, so it is float32 compute on half the bytes (closer to the float32 checkpoint than
+    bfloat16's 8-bit mantissa). bfloat16 computes in bf16 through oneDNN.
+
+    auto: float16 where the CPU has the kernel's vector path (AVX2 + FMA + F16C): a decode step
+    streams the weights, and half the bytes measured faster than either float32 or oneDNN's
+    native bf16 (AVX-512 EPYC with avx512_bf16, [3072, 576] at one row: 106 us against 167 and
+    302); float32 on a CPU without it."""
     if requested not in ("auto", *DTYPES):
-        raise ValueError(f"dtype must be one of auto, float32, bfloat16; got {requested!r}")
-    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+        raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {requested!r}")
     if requested == "auto":
-        if native:
-            return torch.bfloat16, f"dtype=bfloat16 (auto: the CPU has {'+'.join(native)})"
-        return torch.float32, "dtype=float32 (auto: no native bf16 dot products, neither avx512_bf16 nor amx_bf16)"
+        missing = [f for f in STREAM_FLAGS if f not in flags]
+        if not missing:
+            return torch.float16, "dtype=float16 (auto: float16 weights, float32 compute; the CPU has avx2+fma+f16c)"
+        return torch.float32, f"dtype=float32 (auto: the CPU lacks {'+'.join(missing)} for float16 weights)"
     return DTYPES[requested], f"dtype={requested} (requested)"
+
+
+def activation_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a model of these weights computes in: float16 weights compute in float32."""
+    return torch.float32 if weight_dtype == torch.float16 else weight_dtype
 
 
 def bucket_weights(buckets: tuple[int, ...], max_batch: int = 8, prefill_share: float = 0.01) -> dict[int, float]:
@@ -113,7 +127,7 @@ class Calibration:
     bfloat16 was asked for on a CPU without native bf16."""
 
     path: Path
-    dtype: torch.dtype
+    dtype: torch.dtype  # what models prepared with this plan compute in (activations, norms, KV cache)
     note: str
     key: dict
     shapes: dict = field(default_factory=dict)  # "OUTxIN" -> storage -> call -> [ms per bucket | None]
@@ -121,6 +135,11 @@ class Calibration:
     measure_s: float = 0.0  # seconds spent measuring in this process
     _reference: "Calibration | None" = None  # float32 twin, to measure a bf16 slowdown against
     _cost: list = field(default_factory=lambda: [0.0, 0.0])  # expected ms of what was packed: [this, fp32]
+    weight_dtype: torch.dtype | None = None  # the packed weights' dtype (None: dtype)
+
+    def __post_init__(self) -> None:
+        if self.weight_dtype is None:
+            self.weight_dtype = self.dtype
 
     @classmethod
     def open(cls, directory: Path, dtype: str = "auto", *, progress: bool = False,
@@ -142,7 +161,7 @@ class Calibration:
                 shapes = saved["shapes"] if saved.get("key") == key else {}
             except (ValueError, KeyError, TypeError):
                 shapes = {}
-        calib = cls(path, torch_dtype, reason, key, shapes, progress)
+        calib = cls(path, activation_dtype(torch_dtype), reason, key, shapes, progress, weight_dtype=torch_dtype)
         if torch_dtype == torch.bfloat16 and not any(f in flags for f in NATIVE_BF16_FLAGS):
             calib._reference = cls.open(directory, "float32", progress=progress, flags=flags)
         return calib
@@ -157,7 +176,7 @@ class Calibration:
         if self._reference is not None:
             ref = self._reference.choose(tuple(weight.shape), head=head, tied=tied)
             self._cost[1] += ref.expected_ms[ref.storage]
-        return PackedLinear(weight.to(self.dtype), choice.storage, choice.buckets, choice.calls)
+        return PackedLinear(weight.to(self.weight_dtype), choice.storage, choice.buckets, choice.calls)
 
     def choose(self, shape: tuple[int, int], *, head: bool = False, tied: bool = False) -> Choice:
         buckets = HEAD_BUCKETS if head else BUCKETS
@@ -201,7 +220,8 @@ class Calibration:
         missing = [s for s in wanted if s not in have or have[s] and any(len(ms) < len(buckets) for ms in have[s].values())]
         if missing:
             started = time.perf_counter()
-            have.update(measure_shape(shape, self.dtype, buckets, missing, progress=self.progress))
+            have.update(measure_shape(shape, self.weight_dtype, buckets, missing, progress=self.progress,
+                                      x_dtype=self.dtype))
             for storage in missing:
                 have.setdefault(storage, None)  # None: this torch cannot build it for this dtype
             self.measure_s += time.perf_counter() - started
@@ -224,13 +244,20 @@ def l3_bytes() -> int:
 
 
 def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int, ...],
-                  storages: list[str], progress: bool = False) -> dict:
-    """Time every call from every storage at every bucket for a weight [OUT, IN] of `dtype`.
+                  storages: list[str], progress: bool = False, passes: int = 2,
+                  x_dtype: torch.dtype | None = None) -> dict:
+    """Time every call from every storage at every bucket for a weight [OUT, IN] of `dtype` and
+    inputs of `x_dtype` (None: dtype; float32 with float16 weights takes the "mixed" calls only).
 
     -> storage -> call -> [ms | None]; None: a single-row call above one row, or a call dropped
-    after it measured > 3x the fastest call so far at a smaller bucket (no call was seen to come
-    back from that; emulated bf16 `x @ Wt` at 512 rows would take 0.7 s a sample). A storage
-    this torch cannot build for `dtype` is left out."""
+    in every pass after it measured > 3x the fastest call so far at a smaller bucket (no call was
+    seen to come back from that; emulated bf16 `x @ Wt` at 512 rows would take 0.7 s a sample).
+    A storage this torch cannot build for `dtype` is left out.
+
+    `passes` whole passes, each entry the fastest over them: one disturbed moment (measured on an
+    AVX-512 EPYC: oneDNN bf16 [3072, 576] read 27 ms at 6 rows in one pass, 0.16 in the next) then
+    costs one pass's sample instead of dropping the fastest storage, which had made bf16 decode
+    slower than fp32 there."""
     from tqdm import tqdm
 
     out_features, in_features = shape
@@ -238,39 +265,48 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
     copies = max(1, min(64, math.ceil(2 * l3_bytes() / nbytes)))
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.02)  # one tensor of the dtype, no fp32 temporary
-    best = [math.inf] * len(buckets)  # seconds, over every storage measured so far
-    result = {}
-    bar = tqdm(total=len(storages) * len(buckets), desc=f"calibrating {list(shape)} {dtype}".replace("torch.", ""),
-               disable=not progress, leave=False)
+    x_dtype = dtype if x_dtype is None else x_dtype
+    mixed = x_dtype != dtype
+    inputs = [torch.randn(rows, in_features, generator=gen).to(x_dtype) for rows in buckets]
+    result: dict[str, dict[str, list]] = {}
+    bar = tqdm(total=passes * len(storages) * len(buckets),
+               desc=f"calibrating {list(shape)} {dtype}".replace("torch.", ""), disable=not progress, leave=False)
     with torch.inference_mode():
-        for storage in (STORAGES[name] for name in storages):
-            try:
-                ring = [storage.pack(base.clone()) for _ in range(copies)]
-            except RuntimeError:  # e.g. oneDNN bf16 packing without AVX-512 / AVX-NE-CONVERT
-                bar.update(len(buckets))
-                continue
-            calls = {c.name: [None] * len(buckets) for c in CALLS.values() if c.storage == storage.name}
-            dropped: set[str] = set()
-            cursor = 0
-            for i, rows in enumerate(buckets):
-                x2 = torch.randn(rows, in_features, generator=gen).to(dtype)
-                for call in calls_for(storage.name, rows):
-                    if call.name in dropped:
-                        continue
-                    seconds, cursor = _time_call(call.fn, x2, ring, cursor, best[i])
-                    calls[call.name][i] = 1000 * seconds
-                    best[i] = min(best[i], seconds)
-                    if seconds > 3 * best[i]:
-                        dropped.add(call.name)
-                bar.update()
-            result[storage.name] = calls
-            del ring
+        for _ in range(passes):
+            best = [math.inf] * len(buckets)  # seconds, over every storage measured so far in this pass
+            for storage in (STORAGES[name] for name in storages):
+                if not calls_for(storage.name, 1, mixed):  # e.g. oneDNN's layout for float16 weights
+                    bar.update(len(buckets))
+                    continue
+                try:
+                    ring = [storage.pack(base.clone()) for _ in range(copies)]
+                except RuntimeError:  # e.g. oneDNN bf16 packing without AVX-512 / AVX-NE-CONVERT
+                    bar.update(len(buckets))
+                    continue
+                calls = result.setdefault(storage.name, {c.name: [None] * len(buckets)
+                                                          for c in calls_for(storage.name, 1, mixed)})
+                dropped: set[str] = set()
+                cursor = 0
+                for i, x2 in enumerate(inputs):
+                    for call in calls_for(storage.name, len(x2), mixed):
+                        if call.name in dropped:
+                            continue
+                        seconds, cursor = _time_call(call.fn, x2, ring, cursor, best[i])
+                        before = calls[call.name][i]
+                        calls[call.name][i] = 1000 * seconds if before is None else min(before, 1000 * seconds)
+                        best[i] = min(best[i], seconds)
+                        if seconds > 3 * best[i]:
+                            dropped.add(call.name)
+                    bar.update()
+                del ring
     bar.close()
     return result
 
 
 def _time_call(fn, x2: torch.Tensor, ring: list[torch.Tensor], cursor: int, best: float) -> tuple[float, int]:
     """-> (seconds: the fastest of a few calls after one warm-up, the ring cursor after them).
+    A call slower than 10x `best` and 20 ms twice in a row stops there (one slow sample alone
+    can be a preempted one).
 
     Each call takes the ring's next weight (none is cache-resident). The warm-up also builds
     oneDNN's primitive for this row count. ~12 ms of samples, 1 to 5: a head call takes 3-60 ms.
@@ -279,9 +315,14 @@ def _time_call(fn, x2: torch.Tensor, ring: list[torch.Tensor], cursor: int, best
     fn(x2, ring[cursor % len(ring)])
     warm = time.perf_counter() - started
     cursor += 1
-    if warm > 10 * best and warm > 0.02:  # hopeless and slow: not worth more samples
-        return warm, cursor
     times = []
+    if warm > 10 * best and warm > 0.02:  # hopeless and slow if a second call says so too: no more samples
+        started = time.perf_counter()
+        fn(x2, ring[cursor % len(ring)])
+        times.append(time.perf_counter() - started)
+        cursor += 1
+        if times[0] > 10 * best:
+            return times[0], cursor
     for _ in range(max(1, min(5, math.ceil(0.012 / warm)))):
         started = time.perf_counter()
         fn(x2, ring[cursor % len(ring)])

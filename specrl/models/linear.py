@@ -12,9 +12,18 @@ layout from two rows on; on an AVX-512 one oneDNN wins from three rows), so noth
 hard-coded to one machine.
 
 Storages (`STORAGES`): `plain` [OUT, IN] (the checkpoint's), `transposed` [IN, OUT]
-contiguous, `onednn` (oneDNN's blocked layout, an opaque mkldnn tensor: no row access).
-Calls (`CALLS`) take x2 [M, IN] row-major and return [M, OUT] row-major, in the weight's dtype
-(float32 or bfloat16; the libraries accumulate bf16 products in float32).
+contiguous, `onednn` (oneDNN's blocked layout, an opaque mkldnn tensor: no row access), and
+`blocked` [OUT/16, IN, 16] (16 outputs per contiguous stream: the layout of the `stream` call,
+our own kernel in `_cpu_kernels.c`, which reads the weight once for all rows and holds float32 or
+float16 weights). Calls (`CALLS`) take x2 [M, IN] row-major and return [M, OUT] row-major, in the
+weight's dtype (float32 or bfloat16; the libraries accumulate bf16 products in float32), except
+the calls with a "mixed" mode, which take float16 weights with float32 x2 and return float32.
+
+Why a kernel of our own (measured on an AVX-512 EPYC, 2 threads, SmolLM2's [3072, 576] from
+memory, us per call at M = 1 / 5 / 8): oneDNN's packed float32 302 / 252 / 311 (19-28 GB/s),
+`stream` float32 203 / 204 / 243 (35 GB/s, flat to 5 rows), `stream` float16 106 / 125 / 176,
+oneDNN bfloat16 167 at M = 1. oneDNN reorders and dispatches per call for a shape it treats as a
+GEMM; a decode step is a weight stream.
 
 Measured and left out (AVX2 EPYC, torch 2.13, 1 thread, SmolLM2's linears, ms per forward at
 M=1/5/8): MKL's packed GEMM (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`,
@@ -32,8 +41,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+try:
+    from specrl.models import _cpu_kernels as cpu_kernels
+except ImportError:  # not built (a source tree without `make install`): the other storages serve
+    cpu_kernels = None
+
 SMALL_M = 16
 MAX_ROWS = 512  # row counts above this use the call chosen for this many rows
+BLOCK = 16  # outputs per stream of the `blocked` storage (the kernel's layout)
 
 
 def linear(x: torch.Tensor, weight: "torch.Tensor | PackedLinear") -> torch.Tensor:
@@ -67,11 +82,31 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, SMALL_M)
 
 
+def _blocked_pack(w: torch.Tensor) -> torch.Tensor:
+    """[OUT, IN] -> [ceil(OUT/16), IN, 16] (OUT padded with zero rows); RuntimeError where the kernel
+    cannot serve it (the calibration then leaves the storage out for this weight)."""
+    if cpu_kernels is None:
+        raise RuntimeError("the stream kernel (specrl.models._cpu_kernels) is not built")
+    if w.dtype not in (torch.float32, torch.float16):
+        raise RuntimeError(f"the stream kernel takes float32 or float16 weights, not {w.dtype}")
+    out_features, in_features = w.shape
+    padded = -(-out_features // BLOCK) * BLOCK
+    if padded != out_features:
+        w = torch.cat([w, w.new_zeros(padded - out_features, in_features)])
+    return w.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
+
+
+def _blocked_unpack(s: torch.Tensor) -> torch.Tensor:
+    return s.transpose(1, 2).reshape(s.shape[0] * BLOCK, s.shape[1])
+
+
 STORAGES = {
     "plain": Storage("plain", lambda w: w, lambda s: s, lambda s, ids: F.embedding(ids, s)),
     "transposed": Storage("transposed", lambda w: w.t().contiguous(), lambda s: s.t(),
                           lambda s, ids: s.index_select(1, ids).t()),
     "onednn": Storage("onednn", _onednn_pack, lambda s: s.to_dense(), None),
+    "blocked": Storage("blocked", _blocked_pack, _blocked_unpack,
+                       lambda s, ids: s[torch.div(ids, BLOCK, rounding_mode="floor"), :, ids % BLOCK]),
 }
 
 
@@ -81,6 +116,7 @@ class Call:
     storage: str
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x2 [M, IN], stored) -> [M, OUT]
     max_rows: int = MAX_ROWS  # 1: a single-row (matrix-vector) call
+    modes: tuple[str, ...] = ("same",)  # "same": x2 in the weight's dtype; "mixed": float16 weights, float32 x2
 
 
 def _w_xt(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -95,6 +131,18 @@ def _onednn(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
 
 
+def _stream(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 [M, IN] float32 contiguous, w blocked [OUT/16, IN, 16] float32/float16 -> [M, OUT] float32
+    (OUT padded to a multiple of 16: PackedLinear cuts the padding off)."""
+    rows, in_features = x2.shape
+    if x2.dtype != torch.float32 or w.shape[1] != in_features:
+        raise ValueError(f"stream: x {list(x2.shape)} {x2.dtype} does not fit a blocked {list(w.shape)} weight")
+    out = torch.empty(rows, w.shape[0] * BLOCK)
+    cpu_kernels.gemm(out.data_ptr(), x2.data_ptr(), w.data_ptr(), rows, in_features, out.shape[1],
+                     0 if w.dtype == torch.float32 else 1, torch.get_num_threads())
+    return out
+
+
 CALLS = {c.name: c for c in [
     Call("F.linear", "plain", lambda x2, w: F.linear(x2, w)),
     Call("W@x.T", "plain", _w_xt),
@@ -103,11 +151,16 @@ CALLS = {c.name: c for c in [
     Call("x@Wt", "transposed", lambda x2, wt: x2 @ wt),
     Call("mv Wt", "transposed", lambda x2, wt: torch.mv(wt.t(), x2[0])[None], max_rows=1),
     Call("onednn", "onednn", _onednn),
+    Call("stream", "blocked", _stream, modes=("same", "mixed")),
+    Call("upcast", "plain", lambda x2, w: F.linear(x2, w.to(x2.dtype)), modes=("mixed",)),  # odd shapes in float16
 ]}
 
 
-def calls_for(storage: str, rows: int) -> list[Call]:
-    return [c for c in CALLS.values() if c.storage == storage and rows <= c.max_rows]
+def calls_for(storage: str, rows: int, mixed: bool = False) -> list[Call]:
+    """The calls from `storage` for `rows` rows; mixed: those that take float16 weights with float32
+    x2, else those that take x2 in the weight's dtype."""
+    mode = "mixed" if mixed else "same"
+    return [c for c in CALLS.values() if c.storage == storage and rows <= c.max_rows and mode in c.modes]
 
 
 class PackedLinear:
@@ -135,11 +188,13 @@ class PackedLinear:
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         out = self._by_rows[min(x2.shape[0], MAX_ROWS)](x2, self.stored)
+        if out.shape[1] != self.out_features:  # a padded storage (blocked)
+            out = out[:, : self.out_features].contiguous()
         return out.view(*x.shape[:-1], self.out_features)
 
     def plain(self) -> torch.Tensor:
         """-> [OUT, IN]: the weight in the checkpoint's layout (a copy for a packed storage)."""
-        return STORAGES[self.storage].unpack(self.stored)
+        return STORAGES[self.storage].unpack(self.stored)[: self.out_features]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] int64 -> [..., IN]: weight rows (the embedding lookup of a tied head)."""

@@ -32,7 +32,7 @@ from torch import nn
 
 from specrl.errors import ModelNotFoundError
 from specrl.models.kv_cache import CacheBatch, KVCache
-from specrl.models.linear import PackedLinear, linear, plain_weight
+from specrl.models.linear import PackedLinear, cpu_kernels, linear, plain_weight
 
 if TYPE_CHECKING:
     from specrl.models.calibration import Calibration
@@ -90,8 +90,16 @@ class LlamaConfig:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H] -> [..., H]; bfloat16 is normalised in float32 and cast back (as HF does).
-    (`F.rms_norm` is no fused kernel on CPU: measured 10-15% slower than these six ops.)"""
+    Inference in float32 takes the fused C kernel (`_cpu_kernels.rms_norm`: one pass a row, against
+    ~40 us of dispatch for torch's six ops at H = 576); `F.rms_norm` is no fused kernel on CPU
+    (measured 10-15% slower than the six ops), and autograd needs the ops."""
     if x.dtype == torch.float32:
+        if cpu_kernels is not None and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) \
+                and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous():
+            out = torch.empty_like(x)
+            cpu_kernels.rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1],
+                                 x.shape[-1], eps)
+            return out
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
@@ -245,8 +253,8 @@ class Llama(nn.Module):
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [...] int64 -> embeddings [..., H] in the model's dtype."""
-        if isinstance(self.embed, PackedLinear):
-            return self.embed.rows(tokens)
+        if isinstance(self.embed, PackedLinear):  # a tied head's rows (float16 weights: cast to the model's dtype)
+            return self.embed.rows(tokens).to(self.dtype)
         return F.embedding(tokens, self.embed)
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ proposer is not used, nobody learns whether it got better (a swap, traffic it no
 every `probe_every` steps without it a probe drafts one token with it (the head for the rows left
 without a draft, the suffix index for the rows it has a draft for); each probe that still does
 not pay doubles that proposer's interval (up to `max_probe_every`). A drafter swap resets the
-head's estimates.
+head's estimates. Last, the plan answers to measurement (`DraftGuard`): where the steps that
+drafted yielded fewer tokens per second than the steps that did not, at that batch size, drafting
+pauses, with trials that back off as probes do.
 """
 
 from __future__ import annotations
@@ -50,11 +52,16 @@ class CostModel:
 
     `target[(B, T)]`: one target forward over T positions for each of B sequences (interpolated
     over B and T between calibrated points); `draft[B]`: one drafter pass for B sequences;
-    `scale[B]`: observed over predicted seconds of whole steps of B sequences (moving average)."""
+    `scale[(B, drafting)]`: observed over predicted seconds of whole steps of B sequences, apart
+    for steps that draft and steps that do not (moving averages). A drafting step pays what the
+    calibrated forwards leave out (proposing, assembling, packing the verify, the acceptance
+    rule): measured in `bench adapt` at B=4, a pooled scale let those steps look ~20% cheaper than
+    they were, and the hybrid drafted itself below plain decoding. Each kind falls back on the
+    other's scale until it has been observed."""
 
     target: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
-    scale: dict[int, float] = field(default_factory=dict)
+    scale: dict[tuple[int, bool], float] = field(default_factory=dict)
     smoothing: float = 0.2
 
     @classmethod
@@ -89,7 +96,10 @@ class CostModel:
         """A step of `batch` sequences verifying `rows` positions, the head drafting head_k tokens
         for head_rows of them (None: all): the calibrated prior, scaled by what steps of this batch
         size took lately."""
-        return self.scale.get(batch, 1.0) * self._prior(batch, rows, head_k, batch if head_rows is None else head_rows)
+        return self._scale(batch, rows > batch) * self._prior(batch, rows, head_k, batch if head_rows is None else head_rows)
+
+    def _scale(self, batch: int, drafting: bool) -> float:
+        return self.scale.get((batch, drafting), self.scale.get((batch, not drafting), 1.0))
 
     def _prior(self, batch: int, rows: int, head_k: int, head_rows: int) -> float:
         # h drafter passes: the catch-up pass over the newly verified positions yields the first
@@ -102,8 +112,9 @@ class CostModel:
 
     def observe_rows(self, batch: int, rows: int, seconds: float, head_k: int, head_rows: int | None = None) -> None:
         ratio = seconds / self._prior(batch, rows, head_k, batch if head_rows is None else head_rows)
-        old = self.scale.get(batch)
-        self.scale[batch] = ratio if old is None else old + self.smoothing * (ratio - old)
+        key = (batch, rows > batch)
+        old = self.scale.get(key)
+        self.scale[key] = ratio if old is None else old + self.smoothing * (ratio - old)
 
     def _interp_target(self, batch: int, t: float) -> float:
         """Linear interpolation over the calibrated batch sizes, then over positions (the curve of
@@ -148,6 +159,65 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
 
 
 @dataclass
+class DraftGuard:
+    """Per batch size, what drafting really yields: tokens per second of the steps that drafted
+    against those that did not (moving averages over real steps; probes count in neither).
+
+    The planner's rate is a model (a calibrated curve, live acceptance); this is the measurement
+    that keeps it honest. After `min_steps` drafting steps of B rows, plain steps of B rows are
+    needed to compare with: a plan that would draft is run plain until `min_steps` of them are
+    measured, and again (one step) whenever that measurement is `refresh_every` steps old (what a
+    plain step costs drifts with context length and load). When drafting steps yield fewer
+    tokens/s than plain ones, drafting at B pauses for `pause` steps, then gets a fresh trial of
+    `min_steps` drafting steps; each trial that still loses doubles the pause (up to `max_pause`),
+    one that wins resets it. The cost of being wrong is bounded: min_steps losing steps a pause."""
+
+    min_steps: int = 4
+    refresh_every: int = 64
+    min_pause: int = 32
+    max_pause: int = 1024
+    smoothing: float = 0.25
+    _rates: dict[tuple[int, bool], tuple[float, int]] = field(default_factory=dict)  # (B, drafted) -> (tokens/s, n)
+    _last_plain: dict[int, int] = field(default_factory=dict)
+    _paused_until: dict[int, int] = field(default_factory=dict)
+    _pause: dict[int, int] = field(default_factory=dict)
+    _steps: int = 0
+
+    def allows(self, batch: int) -> bool:
+        """Whether drafting at this batch size may be planned now (False: pause, or a plain reference step)."""
+        if self._steps < self._paused_until.get(batch, 0):
+            return False
+        drafted = self._rates.get((batch, True), (0.0, 0))[1]
+        stale = self.rate(batch, False) is None or self._steps - self._last_plain.get(batch, 0) >= self.refresh_every
+        return not (drafted >= self.min_steps and stale)
+
+    def rate(self, batch: int, drafted: bool) -> float | None:
+        """Measured tokens/s of steps of `batch` rows that drafted (or not); None before min_steps."""
+        rate, n = self._rates.get((batch, drafted), (0.0, 0))
+        return rate if n >= self.min_steps else None
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        self._steps += 1
+        if seconds <= 0:
+            return
+        rate, n = self._rates.get((batch, drafted), (0.0, 0))
+        now = tokens / seconds
+        self._rates[(batch, drafted)] = (now if n == 0 else rate + self.smoothing * (now - rate), n + 1)
+        if not drafted:
+            self._last_plain[batch] = self._steps
+        plain, draft = self.rate(batch, False), self.rate(batch, True)
+        if plain is None or draft is None:
+            return
+        if draft < plain:  # pause, and judge the next trial on fresh drafting steps alone
+            pause = self._pause.get(batch, self.min_pause)
+            self._paused_until[batch] = self._steps + pause
+            self._pause[batch] = min(2 * pause, self.max_pause)
+            del self._rates[(batch, True)]
+        else:
+            self._pause[batch] = self.min_pause
+
+
+@dataclass
 class RowOffer:
     """What one sequence can take this step: at most `room` draft tokens (its max_tokens and
     context left), and the suffix index's draft as cumulative confidences ([] for none)."""
@@ -187,6 +257,7 @@ class SpeculationController:
         self.margin = margin
         self.fixed_k = fixed_k  # the head always drafts this many (benchmarks, tests); None: choose
         self.costs = costs or CostModel()
+        self.guard = DraftGuard()
         self.initial_accept_rate = initial_accept_rate
         self.decay = decay
         self.min_probe_every, self.max_probe_every = probe_every, max_probe_every
@@ -236,6 +307,8 @@ class SpeculationController:
             plan, rate = self._best_with_head(suffix_gain, head_k)
             if rate > best_rate:
                 best, best_rate = plan, rate
+        if best.width and not self.guard.allows(batch):  # drafting measured slower than plain here
+            best = StepPlan.plain(batch)
         if best.head_k == 0 and head_cap > 0 and self._steps_since_draft + 1 >= self.probe_every:
             best = self._probe(best, rows)
         if SUFFIX not in best.proposers and self._steps_since_suffix + 1 >= self.suffix_probe_every:
@@ -309,7 +382,9 @@ class SpeculationController:
         """One finished step: its plan, wall time, each row's accepted drafts, and the cumulative
         confidences of each row's suffix draft (those of rows that used it are read)."""
         batch = len(plan.lengths)
-        self.costs.observe_rows(batch, plan.rows, seconds, plan.head_k, len(plan.rows_of(HEAD)))
+        if not (plan.probe or plan.suffix_probe):  # a probe drafts to learn, not at the cost it chose
+            self.costs.observe_rows(batch, plan.rows, seconds, plan.head_k, len(plan.rows_of(HEAD)))
+            self.guard.observe(batch, plan.width > 0, batch + sum(accepted), seconds)
         suffix_rows = plan.rows_of(SUFFIX)
         for b in suffix_rows:  # s = accepted tokens per unit of (unscaled) confidence
             self._suffix_accepted = self.decay * self._suffix_accepted + accepted[b]

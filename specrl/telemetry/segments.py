@@ -27,7 +27,7 @@ class SegmentWriter:
         self.deployment, self.replica = deployment, replica
         self.segment: SegmentRecord | None = None
         self.index = 0
-        self.features_max_bytes = int(getattr(sink, "features_max_bytes", 0) or 0)
+        self.features_max_bytes = sink.features_max_bytes if sink is not None else 0
         self._rows: list[torch.Tensor] = []  # float16 [n_i, H] at consecutive positions from _rows_start
         self._rows_start = self._rows_end = self._rows_bytes = 0
         self._rows_lost = False  # over the budget or not consecutive: the open segment ships none

@@ -14,6 +14,8 @@ from specrl.telemetry.record import SegmentRecord
 
 
 class RecordSink(Protocol):
+    features_max_bytes: int  # the per-record budget of target features it takes (0: none)
+
     def emit(self, record: SegmentRecord) -> None: ...
 
 

@@ -31,6 +31,11 @@ trained_share = trained / useful  (how much of what answered requests also taugh
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specrl.telemetry.sink import SinkCounters
+
 FAMILY = "specrl_tokens"  # exported as specrl_tokens_total{use=...}
 SERVER_USES = ("served", "prompt", "prompt_repeated", "kv_recomputed", "draft_rejected", "telemetry_dropped")
 TRAINER_USES = ("trained", "replayed", "heldout", "truncated", "expired", "unusable", "trainer_recomputed")
@@ -39,7 +44,7 @@ USEFUL = ("prompt", "served")
 DOC = "Tokens the machine computed, by use (specrl/telemetry/token_use.py)"
 
 
-def server_uses(stats, telemetry) -> dict[str, int]:
+def server_uses(stats, telemetry: "SinkCounters | None") -> dict[str, int]:
     """The server's counts from the engine's `EngineStats` and its sink (None: no telemetry)."""
     spec = stats.spec
     return {"served": stats.generated_tokens,
@@ -47,7 +52,7 @@ def server_uses(stats, telemetry) -> dict[str, int]:
             "prompt_repeated": stats.prompt_tokens_repeated,
             "kv_recomputed": stats.kv_recomputed_tokens,
             "draft_rejected": spec.num_draft_tokens - spec.num_accepted_tokens,
-            "telemetry_dropped": getattr(telemetry, "dropped_tokens", 0) if telemetry is not None else 0}
+            "telemetry_dropped": telemetry.dropped_tokens if telemetry is not None else 0}
 
 
 def token_yield(uses: dict[str, float]) -> dict:

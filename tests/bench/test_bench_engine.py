@@ -6,7 +6,8 @@ import matplotlib.image
 import pytest
 
 from specrl.apps.bench.engine import (CURVE_BATCHES, CURVE_POSITIONS, HF, NATIVE_PLAIN, NATIVE_SPEC, RSS_HEADROOM,
-                                      run_engine_bench)
+                                      native_dtypes, run_engine_bench)
+from specrl.apps.bench.vllm_engine import DTYPE_SUFFIX
 from specrl.config import Settings
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -21,7 +22,11 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
     assert report["model"] == "tiny-random" and report["threads"] >= 1 and report["command"]
     assert report["backends"] == ["native"] and report["vllm"]["measured"] is False
     rows = {(r["engine"], r["batch_size"]): r for r in report["rows"]}
-    assert set(rows) == {(e, b) for e in (NATIVE_PLAIN, NATIVE_SPEC, HF) for b in (1, 2)}
+    dtypes = native_dtypes()
+    assert dtypes[0] == "float32" and set(dtypes) <= set(DTYPE_SUFFIX)
+    assert set(rows) == {(e + DTYPE_SUFFIX[d], b) for e in (NATIVE_PLAIN, NATIVE_SPEC) for d in dtypes
+                         for b in (1, 2)} | {(HF, 1), (HF, 2)}
+    assert {r["dtype"] for r in report["rows"] if r["engine"] != HF} == set(dtypes)
     for (engine, b), row in rows.items():
         assert row["tokens"] == b * 8
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
@@ -40,18 +45,24 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
             spec["tokens_per_s"] / rows[NATIVE_PLAIN, b]["tokens_per_s"])
 
     bandwidth, memory = report["bandwidth"], report["memory"]
-    assert bandwidth["read_gb_s"] > 0 and bandwidth["weight_bytes_per_forward"] > 0
-    assert bandwidth["bound_tokens_per_s_batch1"] == pytest.approx(
-        bandwidth["read_gb_s"] * 1e9 / bandwidth["weight_bytes_per_forward"])
-    assert set(bandwidth["achieved_over_bound_batch1"]) == {NATIVE_PLAIN, NATIVE_SPEC, HF}
+    weight_bytes = bandwidth["weight_bytes_per_forward"]
+    assert bandwidth["read_gb_s"] > 0 and set(weight_bytes) == set(dtypes) and min(weight_bytes.values()) > 0
+    for dtype, nbytes in weight_bytes.items():
+        assert bandwidth["bound_tokens_per_s_batch1"][dtype] == pytest.approx(bandwidth["read_gb_s"] * 1e9 / nbytes)
+    if "float16" in weight_bytes:  # half the bytes streamed (the fp32 embedding lookup aside, the head is tied)
+        assert weight_bytes["float16"] < 0.6 * weight_bytes["float32"]
+    assert set(bandwidth["achieved_over_bound_batch1"]) == {e for e, b in rows if b == 1}
+    assert bandwidth["achieved_over_bound_batch1"][NATIVE_PLAIN] == pytest.approx(
+        rows[NATIVE_PLAIN, 1]["tokens_per_s"] / bandwidth["bound_tokens_per_s_batch1"]["float32"])
     assert memory["peak_rss_bytes"] > 0 and memory["model_bytes"] > 0
     assert memory["limit_bytes"] == int((memory["model_bytes"] + memory["kv_cache_bytes_total"]) * RSS_HEADROOM)
     assert result["ratios"] == report["ratios"]
     assert report["cpu"]["model"] and isinstance(report["cpu"]["flags"], list)
     curve = report["forward_curve"]
-    assert {(r["batch"], r["tokens"]) for r in curve["rows"]} == {(b, t) for b in CURVE_BATCHES for t in CURVE_POSITIONS}
-    assert all(r["median_ms"] >= r["min_ms"] > 0 and r["dtype"] == "float32" for r in curve["rows"])
-    ms = {(r["batch"], r["tokens"]): r["median_ms"] for r in curve["rows"]}
+    assert {(r["batch"], r["tokens"], r["dtype"]) for r in curve["rows"]} == {
+        (b, t, d) for b in CURVE_BATCHES for t in CURVE_POSITIONS for d in dtypes}
+    assert {r["dtype"] for r in curve["rows"]} == set(dtypes) and all(r["median_ms"] >= r["min_ms"] > 0 for r in curve["rows"])
+    ms = {(r["batch"], r["tokens"]): r["median_ms"] for r in curve["rows"] if r["dtype"] == "float32"}
     assert curve["ratios"]["float32"]["b1_t5_over_b1_t1"] == pytest.approx(ms[1, 5] / ms[1, 1])
     assert (tmp_path / "forward-curve.png").read_bytes()[:8] == PNG_SIGNATURE
 

@@ -1,14 +1,21 @@
 """Speculative decoding is exact: greedy output equals plain greedy decoding token for token,
 and sampled output follows the target's distribution, also under vLLM's extra sampling
-parameters (penalties, logit bias, min_tokens, top_k, min_p)."""
+parameters (penalties, logit bias, min_tokens, top_k, min_p).
+
+The sampled tests compare the speculative engine's completions with the exact law of their first
+tokens (`prefix_law`: the target's processed distribution after every prefix it can sample, from
+its logits), a one-sample chi-square: no plain-decoding sample to generate, and none of its noise
+in the comparison."""
 
 from dataclasses import replace
 
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
-from specrl.spec.sampling import SamplingParams
+from specrl.spec.sampling import RowSampler, SamplingParams
 from tests.engine.conftest import chat_prompts
+from tests.kernels.conftest import assert_follows
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -22,6 +29,46 @@ def assert_same_distribution(spec: list[list[int]], plain: list[list[int]]) -> N
     assert len(common) >= 3
     _, p_value, _, _ = chi2_contingency(table)
     assert p_value > 1e-3, (p_value, table)
+
+
+@torch.inference_mode()
+def prefix_law(engine, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple[int, ...], float]:
+    """The probability of each sequence of `length` first tokens that plain decoding can sample
+    after `prompt`: the product of the engine's target distributions after each prefix, processed
+    as `params` ask (RowSampler.probs, the rule every decoding step samples by; the seed plays no
+    part). One target forward per length over every reachable prefix."""
+    target, law = engine.target, {(): 1.0}
+    for _ in range(length):
+        prefixes = list(law)
+        rows = len(prefixes)
+        tokens = torch.tensor([prompt + list(p) for p in prefixes])
+        hidden = target(tokens, torch.arange(rows), torch.zeros(rows, dtype=torch.long),
+                        target.new_cache(rows, tokens.shape[1]))
+        sampler = RowSampler.of([replace(params, seed=None)] * rows, [torch.Generator() for _ in prefixes],
+                                history=[(prompt, list(p)) for p in prefixes])
+        probs = sampler.probs(target.logits(hidden[:, -1:]), eos_ids=target.cfg.eos_token_ids)[:, 0].double()
+        law = {prefix + (token,): law[prefix] * float(probs[i, token])
+               for i, prefix in enumerate(prefixes) for token in probs[i].nonzero().squeeze(1).tolist()}
+    return law
+
+
+def assert_prefixes_follow(completions, law: dict[tuple[int, ...], float]) -> None:
+    """The completions' first tokens follow `law` (prefix_law): chi-square goodness of fit, reject
+    at p < 1e-3 (tests/kernels/conftest.py: assert_follows); a prefix expected fewer than 5 times
+    is counted with the others of its first token; one the target cannot sample fails at once."""
+    length, n = len(next(iter(law))), len(completions)
+    cell = {prefix: prefix if p * n >= 5 else prefix[:1] for prefix, p in law.items()}
+    cells = sorted(set(cell.values()))
+    index = {c: i for i, c in enumerate(cells)}
+    probs = torch.zeros(len(cells), dtype=torch.float64)
+    for prefix, p in law.items():
+        probs[index[cell[prefix]]] += p
+    seen = [tuple(c.output_ids[:length]) for c in completions]
+    assert all(len(s) == length for s in seen)
+    impossible = [s for s in seen if s not in law]
+    assert not impossible, f"prefixes the target never samples: {impossible[:5]}"
+    assert len(cells) >= 3
+    assert_follows(torch.tensor([index[cell[s]] for s in seen]), probs, f"first {length} tokens")
 
 
 @pytest.mark.parametrize("fixed_k", [1, 3, -1])  # -1: the adaptive controller
@@ -46,18 +93,17 @@ def test_greedy_speculation_equals_plain_greedy_smollm2(make_engine, tokenizer):
 
 
 def test_sampled_tokens_follow_the_target_distribution(make_engine, tokenizer):
-    """The token drawn by the verify step (accepted draft or recovered token) has the same
-    distribution with and without speculation: two-sample chi-square, reject at p < 1e-3.
+    """The token drawn by the verify step (accepted draft or recovered token) follows the target's
+    distribution: the first two tokens against their exact law, chi-square, reject at p < 1e-3.
     top_p keeps the support small enough for the test to have power."""
     [prompt] = chat_prompts(tokenizer, 1)
     n = 1500
     params = [SamplingParams(max_tokens=3, temperature=0.5, top_p=0.05, seed=i, ignore_eos=True) for i in range(n)]
     spec_engine = make_engine(max_batch=8, fixed_draft_tokens=1)
     spec = spec_engine.generate([prompt] * n, params)
-    plain = make_engine(drafter="none", max_batch=8).generate([prompt] * n, [p.__class__(**{**p.__dict__, "seed": p.seed + n}) for p in params])
     accepted = sum(c.spec.num_accepted_tokens for c in spec)
     assert 0 < accepted < sum(c.spec.num_draft_tokens for c in spec), "both accept and reject paths must be exercised"
-    assert_same_distribution([c.output_ids[:2] for c in spec], [c.output_ids[:2] for c in plain])
+    assert_prefixes_follow(spec, prefix_law(spec_engine, prompt, params[0], 2))
 
 
 @pytest.mark.parametrize("drafter", ["none", "day0"])  # the suffix index alone, and beside the head
@@ -80,20 +126,16 @@ def test_sampled_tokens_follow_the_target_distribution_with_suffix_drafts(make_e
     """Suffix drafts are deterministic (q one-hot at the drafted token): the verified tokens still
     follow the target, under both acceptance rules (specrl/spec/verify.py). The same prompt sampled
     many times (a GRPO group) is where the index drafts the most frequent earlier continuation.
-    Two-sample chi-square over the first two tokens, reject at p < 1e-3."""
+    The first two tokens against their exact law, chi-square, reject at p < 1e-3."""
     [prompt] = chat_prompts(tokenizer, 1)
     n = 1500
-
-    def params(offset: int) -> list[SamplingParams]:
-        return [SamplingParams(max_tokens=3, temperature=0.5, top_p=0.05, seed=offset + i if seeded else None,
-                               ignore_eos=True) for i in range(n)]
-
+    params = [SamplingParams(max_tokens=3, temperature=0.5, top_p=0.05, seed=i if seeded else None, ignore_eos=True)
+              for i in range(n)]
     engine = make_engine(drafter="none", max_batch=8, seed=1)
-    spec = engine.generate([prompt] * n, params(0))
-    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=8, seed=2).generate([prompt] * n, params(n))
+    spec = engine.generate([prompt] * n, params)
     suffix = engine.stats.by_proposer["suffix"]
     assert 0 < suffix.num_accepted_tokens < suffix.num_draft_tokens, "both accept and reject paths must be exercised"
-    assert_same_distribution([c.output_ids[:2] for c in spec], [c.output_ids[:2] for c in plain])
+    assert_prefixes_follow(spec, prefix_law(engine, prompt, params[0], 2))
 
 
 def test_a_seed_reproduces_the_same_text_whatever_speculation_does(make_engine, tokenizer):
@@ -153,25 +195,22 @@ def test_min_tokens_holds_back_eos_at_every_draft_position(make_engine, tokenize
 
 @pytest.mark.parametrize("proposer, seeded", [("head", False), ("suffix", True)])  # rejection sampling; coupled
 def test_sampled_tokens_follow_the_processed_target_distribution(make_engine, tokenizer, proposer, seeded):
-    """top_k, min_p and the three penalties, speculative (head drafts at k = 2, or the suffix index's)
-    vs plain decoding: the first two tokens have the same distribution (two-sample chi-square,
-    reject at p < 1e-3). The second token's distribution depends on the first through the
-    penalties, which the verify step counts when the first came from an accepted draft."""
+    """top_k, min_p and the three penalties, speculative (head drafts at k = 2, or the suffix index's):
+    the first three tokens follow their exact law (chi-square, reject at p < 1e-3). Each token's
+    distribution depends on the ones before it through the penalties, which the verify step
+    counts when they came from accepted drafts of the same step."""
     [prompt] = chat_prompts(tokenizer, 1)
     n = 1500
-
-    def params(offset: int) -> list[SamplingParams]:  # max_tokens 5: rows keep room to draft
-        return [SamplingParams(max_tokens=5, temperature=1.0, top_k=3, min_p=0.1, ignore_eos=True,
-                               seed=offset + i if seeded else None, repetition_penalty=1.5, presence_penalty=1.0,
-                               frequency_penalty=0.5) for i in range(n)]
-
+    # max_tokens 4: the step after the first token has room for k = 2 drafts (and the bonus token)
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, min_p=0.1, ignore_eos=True,
+                             seed=i if seeded else None, repetition_penalty=1.5, presence_penalty=1.0,
+                             frequency_penalty=0.5) for i in range(n)]
     engine = (make_engine(max_batch=8, fixed_draft_tokens=2, suffix_capacity=0, seed=1) if proposer == "head"
               else make_engine(drafter="none", max_batch=8, seed=1))
-    spec = engine.generate([prompt] * n, params(0))
-    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=8, seed=2).generate([prompt] * n, params(n))
+    spec = engine.generate([prompt] * n, params)
     counts = engine.stats.by_proposer[proposer]
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, "both accept and reject paths must be exercised"
-    assert_same_distribution([c.output_ids[:2] for c in spec], [c.output_ids[:2] for c in plain])
+    assert_prefixes_follow(spec, prefix_law(engine, prompt, params[0], 3))
 
 
 def test_a_seed_reproduces_a_processed_sample_whatever_speculation_does(make_engine, tokenizer):

@@ -76,3 +76,78 @@ def test_plain_linear_is_unchanged_for_training():
     linear(x, weight).sum().backward()
     assert weight.grad is not None and x.grad is not None
     assert torch.equal(plain_weight(weight), weight.detach())
+
+
+# ---- the stream kernel (specrl/models/_cpu_kernels.c) ---------------------------------------------
+
+stream_kernel = pytest.importorskip("specrl.models._cpu_kernels", reason="the stream kernel is not built")
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("out_features,in_features", [(128, 40), (48, 37), (40, 64)])  # 16-, 8-lane; padded
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 12, 13, 64, 512])
+def test_stream_matches_f_linear(out_features, in_features, rows, weight_dtype):
+    """Every register tile (1..6 rows, and full tiles + remainder), both vector paths on AVX-512
+    (groups of four 16-lane vectors where OUT/16 divides by 4, 8-lane ones otherwise), padding,
+    and float16 weights computed in float32 (against F.linear over the same float16 values)."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = PackedLinear(weight, "blocked", (512,), ("stream",))
+    out = packed(x)
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight.float()), atol=1e-4, rtol=1e-4)
+
+
+def test_stream_gives_the_same_bits_on_any_thread_count():
+    """Each output is one thread's sum over K in order: the thread count cannot change a bit."""
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(256, 96, generator=gen), torch.randn(5, 96, generator=gen)
+    packed = PackedLinear(weight, "blocked", (512,), ("stream",))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = packed(x)
+        torch.set_num_threads(2)
+        two = packed(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_stream_refuses_what_does_not_fit():
+    weight = STORAGES["blocked"].pack(torch.randn(32, 16))
+    with pytest.raises(ValueError, match="does not fit"):
+        CALLS["stream"].fn(torch.randn(2, 15), weight)  # IN differs
+    with pytest.raises(ValueError, match="does not fit"):
+        CALLS["stream"].fn(torch.randn(2, 16, dtype=torch.float64), weight)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        STORAGES["blocked"].pack(torch.randn(32, 16).bfloat16())
+
+
+def test_stream_uses_a_vector_path_where_the_cpu_has_one():
+    from specrl.models.calibration import cpu_info
+
+    flags = cpu_info()[1]
+    path = stream_kernel.path(64)
+    if "avx512f" in flags:  # groups of four 16-lane vectors where OUT/16 divides by 4, else 8-lane ones
+        assert path == "avx512f" and stream_kernel.path(48) == "avx2"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert path == "avx2"
+    else:
+        assert path == "portable"
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
+def test_the_portable_path_matches_the_vector_path(weight_dtype):
+    """The C path a CPU without AVX2 takes (forced here), against this CPU's path."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 40, generator=gen).to(weight_dtype)
+    stored = STORAGES["blocked"].pack(weight)
+    for rows in (1, 7, 20):
+        x = torch.randn(rows, 40, generator=gen)
+        out = torch.empty(rows, 96)
+        stream_kernel.gemm(out.data_ptr(), x.data_ptr(), stored.data_ptr(), rows, 40, 96,
+                           0 if weight_dtype == torch.float32 else 1, 1, True)
+        torch.testing.assert_close(out, CALLS["stream"].fn(x, stored), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out, F.linear(x, weight.float()), atol=1e-4, rtol=1e-4)

@@ -108,3 +108,22 @@ def test_rows_of_different_lengths_compute_what_each_row_would_alone(tiny_dir, h
     torch.testing.assert_close(packed[1, :1], row1[0], rtol=1e-4, atol=1e-4)
     assert (packed[1, 1:] == 0).all()
     torch.testing.assert_close(packed_cache.k.float(), alone_cache.k.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (5, 576), (2, 3, 64), (0, 64)])
+def test_fused_rms_norm_equals_the_torch_ops_and_keeps_autograd(shape):
+    from specrl.models.linear import cpu_kernels
+    from specrl.models.llama import rms_norm
+
+    if cpu_kernels is None:
+        pytest.skip("the C kernels are not built")
+    gen = torch.Generator().manual_seed(0)
+    x, weight = 3 * torch.randn(shape, generator=gen), torch.randn(shape[-1], generator=gen)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+    with torch.inference_mode():
+        got = rms_norm(x, weight, 1e-5)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    leaf = weight.clone().requires_grad_()
+    rms_norm(x, leaf, 1e-5).sum().backward()  # training takes the ops: gradients flow
+    assert leaf.grad is not None and leaf.grad.shape == weight.shape

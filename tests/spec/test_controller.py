@@ -45,10 +45,14 @@ def test_observed_steps_scale_the_calibrated_curve():
     costs.observe(1, 2, 2 * step_cost(2))  # the machine runs at half the calibrated speed now
     assert costs.step_cost(1, 2) == pytest.approx(2 * step_cost(2))  # the first observation sets the scale
     assert costs.step_cost(1, 1) == pytest.approx(2 * step_cost(1))  # every width of B = 1 moves alike
-    costs.observe(1, 0, 1.0)  # then a step at the calibrated speed
-    assert costs.step_cost(1, 0) == pytest.approx((2 + costs.smoothing * (1 - 2)) * step_cost(0))
+    assert costs.step_cost(1, 0) == pytest.approx(2 * step_cost(0))  # plain steps borrow it until observed
+    costs.observe(1, 2, 1.0 * step_cost(2))  # then a drafting step at the calibrated speed
+    assert costs.step_cost(1, 2) == pytest.approx((2 + costs.smoothing * (1 - 2)) * step_cost(2))
+    costs.observe(1, 0, 1.5 * step_cost(0))  # plain steps keep a scale of their own
+    assert costs.step_cost(1, 0) == pytest.approx(1.5 * step_cost(0))
+    assert costs.step_cost(1, 1) == pytest.approx(1.8 * step_cost(1))
     assert costs.step_cost(2, 2) == pytest.approx(2 * step_cost(2))  # other batch sizes keep their prior
-    assert costs.step_cost(1, 3) > costs.step_cost(1, 2) > costs.step_cost(1, 0)  # the calibrated shape
+    assert costs.step_cost(1, 3) > costs.step_cost(1, 2) > costs.step_cost(1, 1)  # the calibrated shape
 
 
 def test_step_cost_interpolates_over_batch():
@@ -266,3 +270,90 @@ def test_suffix_calibration_follows_live_acceptance():
         plan = ctl.plan(offer, head=False)
         ctl.observe_plan(plan, 1.0, [plan.lengths[0]], [offer[0].suffix])
     assert ctl.plan(offer, head=False).lengths == [8]
+
+
+# ---- the guard: drafting answers to measured tokens per second ---------------------------------
+
+def _run_steps(ctl, offer, n, seconds_of, accepted_of):
+    """n planned and observed steps -> the plans; seconds_of(plan), accepted_of(plan) -> per row."""
+    plans = []
+    for _ in range(n):
+        plan = ctl.plan(offer, head=False)
+        plans.append(plan)
+        ctl.observe_plan(plan, seconds_of(plan), accepted_of(plan), [r.suffix for r in offer])
+    return plans
+
+
+def test_drafting_steps_that_run_slower_than_modelled_stop_drafting():
+    """The cost curve says drafting pays, the confidences are honest (half of every draft is
+    accepted), but the machine runs drafting steps at a third of the modelled speed: drafting
+    must stop after a few steps, though plain steps run exactly as modelled."""
+    ctl = trusting(0, wide_costs(2), probe_every=10 ** 6)
+    offer = [RowOffer(100, [0.9] * 8), RowOffer(100, [0.9] * 8)]
+
+    def seconds(plan):  # a plain step costs 1.0 as modelled; a drafting step 3x its model
+        return 1.0 if plan.width == 0 else 3.0 * ctl.costs._prior(2, plan.rows, 0, 0)
+
+    def accepted(plan):
+        return [n // 2 for n in plan.lengths]
+
+    plans = _run_steps(ctl, offer, 600, seconds, accepted)
+    drafted = [p.width > 0 for p in plans]
+    assert all(drafted[: ctl.guard.min_steps])  # the model said drafting pays, so it was tried first
+    assert not any(drafted[ctl.guard.min_steps: 2 * ctl.guard.min_steps])  # then plain steps to compare with
+    assert sum(drafted[100:]) <= 8  # and drafting stopped: the drafting steps' own cost scale says 3x
+    assert ctl.costs.scale[(2, True)] == pytest.approx(3.0) and ctl.costs.scale[(2, False)] == pytest.approx(1.0)
+
+
+def test_drafting_that_measures_faster_is_never_paused():
+    """Drafting steps run as modelled and pay: only the plain reference steps interrupt them."""
+    ctl = trusting(0, wide_costs(2), probe_every=10 ** 6)
+    offer = [RowOffer(100, [0.9] * 8), RowOffer(100, [0.9] * 8)]
+    plans = _run_steps(ctl, offer, 400, lambda plan: ctl.costs._prior(2, plan.rows, 0, 0),
+                       lambda plan: [n // 2 for n in plan.lengths])
+    plain = sum(p.width == 0 for p in plans)
+    guard = ctl.guard
+    assert 0 < plain <= guard.min_steps + 400 // guard.refresh_every + 1
+    assert not guard._paused_until and guard.rate(2, True) > guard.rate(2, False)
+
+
+def test_the_guard_pauses_one_batch_size_not_the_others():
+    guard = SpeculationController(0, wide_costs()).guard
+    for _ in range(guard.min_steps):
+        guard.observe(4, False, 4, 1.0)  # plain at B=4: 4 tokens/s
+    for _ in range(guard.min_steps):
+        guard.observe(4, True, 5, 2.0)  # drafting at B=4: 2.5 tokens/s
+    assert not guard.allows(4) and guard.allows(1) and guard.allows(8)
+    assert guard.rate(4, True) is None  # the next trial is judged on fresh steps
+    for _ in range(guard.min_pause):
+        guard.observe(1, False, 1, 1.0)
+    assert guard.allows(4)
+    guard.observe(4, False, 4, 1.0)  # the plain reference stays fresh
+    for _ in range(guard.min_steps):  # a trial that loses again: a pause twice as long
+        guard.observe(4, True, 5, 2.0)
+    assert not guard.allows(4)
+    for _ in range(guard.min_pause):
+        guard.observe(1, False, 1, 1.0)
+    assert not guard.allows(4)
+    for _ in range(guard.min_pause):
+        guard.observe(1, False, 1, 1.0)
+    guard.observe(4, False, 4, 1.0)
+    assert guard.allows(4)
+    for _ in range(guard.min_steps):  # a trial that wins: drafting goes on, the pause is reset
+        guard.observe(4, True, 12, 2.0)
+    assert guard.allows(4) and guard._pause[4] == guard.min_pause
+
+
+def test_stale_plain_timing_asks_for_one_plain_reference_step():
+    guard = SpeculationController(0, wide_costs()).guard
+    for _ in range(guard.min_steps):
+        guard.observe(2, True, 6, 1.0)
+    assert not guard.allows(2)  # drafting measured, nothing to compare with: plain steps first
+    for _ in range(guard.min_steps):
+        guard.observe(2, False, 2, 1.0)
+    assert guard.allows(2)
+    for _ in range(guard.refresh_every):
+        guard.observe(2, True, 6, 1.0)
+    assert not guard.allows(2)  # the plain timing is old now: one step refreshes it
+    guard.observe(2, False, 2, 1.0)
+    assert guard.allows(2)

@@ -272,6 +272,8 @@ def test_a_trainer_without_a_target_stops_on_a_stream_without_features(home, tmp
     import sys
 
     fill_stream(home, deployment, tokenizer, n=2)
+    for cache in ("models", "calibration"):  # the session's: a home of its own, without building tiny-random again
+        (tmp_path / cache).symlink_to(home / cache, target_is_directory=True)
     proc = subprocess.run([sys.executable, "-m", "specrl.apps.cli", "train-drafter", "--model", "tiny-random",
                            "--redis-url", REDIS_URL, "--deployment", deployment, "--store", str(tmp_path / "store"),
                            "--consumer", "c-exit", "--no-trainer-recompute", "--threads", "1"],

@@ -24,7 +24,8 @@ for tokens/s and TTFT. Besides throughput the report holds:
   positions per row T, per dtype (`forward_curve.py`; table, forward-curve.png): what the
   controller's drafting decisions rest on (a verify over T positions, or B rows, should cost about
   one position);
-- native bfloat16 beside float32 where the CPU has native bf16 dot products (avx512_bf16 / AMX),
+- native float16 weights (float32 compute, the stream kernel) where the CPU has avx2+fma+f16c, and
+  bfloat16 where it has native bf16 dot products (avx512_bf16 / AMX), beside float32,
   with the CPU flags that decided it;
 - the process's peak RSS after the native runs, before HF loads its copy of the model,
   against (model bytes + the KV caches allocated) x 1.25 (the bench process only: vLLM's are others).
@@ -47,11 +48,11 @@ import torch
 from specrl.apps.bench.backends import (NATIVE, VLLM, add_backends_flag, bench_threads, parse_backends, ratio,
                                         settings_record, vllm_version)
 from specrl.apps.bench.forward_curve import forward_cost_curve, plot_forward_curve
-from specrl.apps.bench.vllm_engine import VLLM_PLAIN, VLLM_SPEC, vllm_rows
+from specrl.apps.bench.vllm_engine import DTYPE_SUFFIX, VLLM_PLAIN, VLLM_SPEC, vllm_rows
 from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
-from specrl.models.calibration import KEY_FLAGS, cpu_info, resolve_dtype
+from specrl.models.calibration import KEY_FLAGS, NATIVE_BF16_FLAGS, STREAM_FLAGS, cpu_info
 from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
 
@@ -62,6 +63,8 @@ RSS_HEADROOM = 1.25  # peak RSS of the engines <= (model + KV caches) x this
 RATIOS = (
     ("native_plain_over_hf", "tokens_per_s", NATIVE_PLAIN, HF),
     ("native_spec_over_native_plain", "tokens_per_s", NATIVE_SPEC, NATIVE_PLAIN),
+    ("native_fp16_over_native_fp32", "tokens_per_s", NATIVE_PLAIN + "_fp16", NATIVE_PLAIN),
+    ("native_spec_fp16_over_native_plain_fp16", "tokens_per_s", NATIVE_SPEC + "_fp16", NATIVE_PLAIN + "_fp16"),
     ("native_bf16_over_native_fp32", "tokens_per_s", NATIVE_PLAIN + "_bf16", NATIVE_PLAIN),
     ("native_spec_bf16_over_native_plain_bf16", "tokens_per_s", NATIVE_SPEC + "_bf16", NATIVE_PLAIN + "_bf16"),
     ("vllm_plain_over_native_plain", "tokens_per_s", VLLM_PLAIN, NATIVE_PLAIN),
@@ -140,14 +143,14 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
          backends: tuple[str, ...]) -> dict:
     drafter = spec_drafter(settings)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes), threads=threads, drafter=drafter)
-    rows, curve, memory, weight_bytes = [], [], None, None
+    rows, curve, memory, weight_bytes = [], [], None, {}
     baseline = _rss()  # python, torch and transformers imported, no model yet
     for dtype in native_dtypes():
         plain, spec = native_engines(settings.replace(dtype=dtype))
         # Every run repeats the warm-up's prompts: an index that kept those answers would draft them
         # whole (measured: 10.7 tokens per step). Here the index drafts from each request's own text.
         spec.index_finished = False
-        suffix = "" if dtype == "float32" else "_bf16"
+        suffix = DTYPE_SUFFIX[dtype]
         prompts = chat_prompts(spec.tokenizer, max(batch_sizes))
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         for b in batch_sizes:
@@ -155,17 +158,17 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
                 rows.append({**_measure(name, b, lambda: _native_run(engine, prompts[:b], params)), "dtype": dtype})
         _progress(f"forward cost curve ({dtype})")
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
-        if memory is None:  # float32 first: the bound and the memory limit are its
+        if memory is None:  # float32 first: the memory limit is its
             memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
                                                 "native_spec_drafter": spec.draft_cache}, baseline)
-            weight_bytes = spec.target.streamed_weight_bytes()
+        weight_bytes[dtype] = spec.target.streamed_weight_bytes()
         del plain, spec
         gc.collect()
     bandwidth = read_bandwidth_gb_s()
     rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
     if VLLM in backends:
         rows += vllm_rows(settings, drafter, prompts, batch_sizes, new_tokens, threads, out / "vllm-logs",
-                          tuple(native_dtypes()))
+                          tuple(d for d in native_dtypes() if d != "float16"))  # vLLM has no float16-weights mode
     result = _result(settings, model_dir, batch_sizes, new_tokens, rows, memory,
                      _bandwidth_report(bandwidth, weight_bytes, rows), backends)
     result["forward_curve"] = {"rows": curve, "ratios": curve_ratios(curve)}
@@ -177,9 +180,11 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
 
 
 def native_dtypes() -> list[str]:
-    """float32, and bfloat16 beside it where the CPU has native bf16 dot products."""
-    dtype, _ = resolve_dtype("auto", cpu_info()[1])
-    return ["float32"] if dtype == torch.float32 else ["float32", "bfloat16"]
+    """float32; float16 (weights) beside it where the CPU has the stream kernel's vector path; bfloat16
+    where it has native bf16 dot products."""
+    flags = cpu_info()[1]
+    return (["float32"] + (["float16"] if all(f in flags for f in STREAM_FLAGS) else [])
+            + (["bfloat16"] if any(f in flags for f in NATIVE_BF16_FLAGS) else []))
 
 
 def curve_ratios(curve: list[dict]) -> dict[str, dict[str, float]]:
@@ -310,9 +315,12 @@ def read_bandwidth_gb_s(nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> floa
     return nbytes / best / 1e9
 
 
-def _bandwidth_report(gb_s: float, weight_bytes: int, rows: list[dict]) -> dict:
-    bound = gb_s * 1e9 / weight_bytes
-    achieved = {r["engine"]: r["tokens_per_s"] / bound for r in rows if r["batch_size"] == 1}  # vLLM's too
+def _bandwidth_report(gb_s: float, weight_bytes: dict[str, int], rows: list[dict]) -> dict:
+    """The B=1 bound per dtype (its weights read once per token at `gb_s`) and each B=1 row's share
+    of its dtype's bound (vLLM's too)."""
+    bound = {dtype: gb_s * 1e9 / nbytes for dtype, nbytes in weight_bytes.items()}
+    achieved = {r["engine"]: r["tokens_per_s"] / bound[r.get("dtype", "float32")] for r in rows
+                if r["batch_size"] == 1 and r.get("dtype", "float32") in bound}
     return {"read_gb_s": gb_s, "weight_bytes_per_forward": weight_bytes, "bound_tokens_per_s_batch1": bound,
             "achieved_over_bound_batch1": achieved}
 
@@ -382,8 +390,10 @@ def _print_table(result: dict) -> None:
                                       f"{'-' if value is None else format(value, '.2f')}x"
                                       for name, value in ratios.items()))
     bw, mem = result["bandwidth"], result["memory"]
-    print(f"bandwidth {bw['read_gb_s']:.1f} GB/s, {bw['weight_bytes_per_forward'] / 1e6:.0f} MB/forward -> "
-          f"bound {bw['bound_tokens_per_s_batch1']:.1f} tok/s at B=1")
+    for dtype, nbytes in bw["weight_bytes_per_forward"].items():
+        print(f"bandwidth {bw['read_gb_s']:.1f} GB/s, {dtype} {nbytes / 1e6:.0f} MB/forward -> "
+              f"bound {bw['bound_tokens_per_s_batch1'][dtype]:.1f} tok/s at B=1")
+    print("B=1 share of the bound: " + ", ".join(f"{k} {v:.0%}" for k, v in bw["achieved_over_bound_batch1"].items()))
     for dtype, ratios in result.get("forward_curve", {}).get("ratios", {}).items():
         print(f"forward cost curve ({dtype}): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"cpu {result['cpu']['model']} flags {','.join(result['cpu']['flags'])}")
@@ -420,9 +430,10 @@ def _plot(result: dict, path: Path) -> None:
         if any(t is not None for t in ttft):
             ttft_ax.bar(xs, [t or 0.0 for t in ttft], width, label=engine, color=color)
     if 1 in sizes:
-        bound, j = result["bandwidth"]["bound_tokens_per_s_batch1"], sizes.index(1)
-        speed_ax.hlines(bound, j - 0.45, j + 0.45, colors="black", linestyles="--",
-                        label=f"bandwidth bound B=1 ({bound:.1f} tok/s)")
+        j = sizes.index(1)
+        for style, (dtype, bound) in zip(("--", ":", "-."), result["bandwidth"]["bound_tokens_per_s_batch1"].items()):
+            speed_ax.hlines(bound, j - 0.45, j + 0.45, colors="black", linestyles=style,
+                            label=f"bandwidth bound B=1, {dtype} ({bound:.1f} tok/s)")
     for ax, label in ((speed_ax, "tokens/s"), (ttft_ax, "mean TTFT (ms)")):
         ax.set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
         ax.set_ylabel(label)

@@ -35,6 +35,8 @@ from specrl.config import Settings
 from specrl.errors import SpecrlError
 from specrl.spec.sampling import SamplingParams
 
+DTYPE_SUFFIX = {"float32": "", "float16": "_fp16", "bfloat16": "_bf16"}  # bench rows' names by dtype
+
 VLLM_PLAIN, VLLM_SPEC = "vllm_plain", "vllm_spec"
 
 
@@ -42,7 +44,7 @@ VLLM_PLAIN, VLLM_SPEC = "vllm_plain", "vllm_spec"
 def vllm_rows(settings: Settings, drafter: str, prompts: list[list[int]], batch_sizes: list[int], new_tokens: int,
               threads: int, log_dir: Path, dtypes: tuple[str, ...] = ("float32",)) -> list[dict]:
     """Run vLLM plain, then vLLM with `drafter`, each in a child process, in each of `dtypes`
-    (rows of another dtype than float32 are named with a suffix, "_bf16"). -> their rows
+    (rows of another dtype than float32 are named with its suffix, DTYPE_SUFFIX). -> their rows
     (`engine.timed_row` rows plus `startup_s` and `dtype`); the children's logs go to `log_dir`."""
     from specrl.apps.bench.backends import settings_record, vllm_env
 
@@ -51,7 +53,7 @@ def vllm_rows(settings: Settings, drafter: str, prompts: list[list[int]], batch_
     with tempfile.TemporaryDirectory(prefix="specrl-bench-vllm-") as tmp:
         env = {**os.environ, **vllm_env(threads), "TMPDIR": tmp}  # its exported drafters are removed with tmp
         for dtype, (name, drafter_setting) in ((d, e) for d in dtypes for e in ((VLLM_PLAIN, "none"), (VLLM_SPEC, drafter))):
-            name += "" if dtype == "float32" else "_bf16"
+            name += DTYPE_SUFFIX[dtype]
             child = settings.replace(drafter=drafter_setting, store=str(Path(tmp) / "store"), redis_url="",
                                      threads=threads, dtype=dtype)
             job, out = Path(tmp) / f"{name}.json", Path(tmp) / f"{name}-rows.json"

@@ -146,13 +146,12 @@ BLOCKS(avx512, AVX512, 16, 4, 6, avx512_tiles)
 typedef void (*blocks_fn)(const float *, const void *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int);
 
 /* -> the path for N outputs, and how many column blocks one of its groups spans. */
+static int has_avx512 = -1, has_avx2 = -1; /* read once from the CPU (the module's init), not per call */
+
 static blocks_fn pick(int64_t N, const char **name, int64_t *group) {
-    __builtin_cpu_init();
     int64_t blocks = N / BLOCK;
-    if (blocks % 4 == 0 && __builtin_cpu_supports("avx512f")) { *name = "avx512f"; *group = 4; return blocks_avx512; }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-        *name = "avx2"; *group = 1; return blocks_avx2;
-    }
+    if (blocks % 4 == 0 && has_avx512) { *name = "avx512f"; *group = 4; return blocks_avx512; }
+    if (has_avx2) { *name = "avx2"; *group = 1; return blocks_avx2; }
     *name = "portable";
     *group = 1;
     return blocks_portable;
@@ -231,4 +230,9 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_kernels(void) {
+    __builtin_cpu_init();
+    has_avx512 = __builtin_cpu_supports("avx512f");
+    has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return PyModule_Create(&module);
+}

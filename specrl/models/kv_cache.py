@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specrl.models.linear import cpu_kernels
+
+FUSED_MAX_TOKENS = 16  # tokens per row the fused attention kernel takes (decode and verify steps)
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -77,6 +81,18 @@ class CacheBatch:
             self._flat = flat.reshape(-1)  # [B*T*KVH] (or [N*KVH]) rows of k viewed as [layers, S*KVH*MAX, D]
             self._k_dest, self._v_dest = k.view(layers, -1, d), v.view(layers, -1, d)
         self._consecutive = consecutive
+        # The fused kernel (rotary embedding + cache write + attention in one C call a layer) serves
+        # float32 decode and verify steps; prefill chunks and bfloat16 take the torch ops below.
+        self.fused = cpu_kernels is not None and k.dtype == torch.float32 and num_tokens <= FUSED_MAX_TOKENS \
+            and k.is_contiguous() and v.is_contiguous()
+        if self.fused:  # the kernel's arguments that hold for every layer, read once (a call costs ~3 us)
+            self._flat_tokens = self.rows if self.rows is not None else torch.arange(len(slots) * num_tokens)
+            self._positions = self.positions.contiguous()
+            self._slots = slots.to(torch.int64).contiguous()
+            self._layer_bytes = k[0].numel() * k.element_size()
+            self._kernel_args = (k.data_ptr(), v.data_ptr(), self._slots.data_ptr(), self._positions.data_ptr(),
+                                 self._flat_tokens.data_ptr(), len(self._flat_tokens), num_tokens)
+            self._kernel_shape = (kvh, d, max_len)
 
     def mask(self, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
         """-> additive mask [B, 1, G*T, L] (0 visible, -inf hidden) for queries grouped G per KV
@@ -89,6 +105,23 @@ class CacheBatch:
             additive = torch.zeros(bsz, 1, t, self.length, dtype=dtype).masked_fill_(~visible[:, None], float("-inf"))
             self._mask = additive.expand(bsz, groups, t, self.length).reshape(bsz, 1, groups * t, self.length)
         return self._mask
+
+    def attend_fused(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int, portable: bool = False) -> torch.Tensor:
+        """qkv [N, (NH + 2 KVH) D] float32: the q|k|v projections of the batch's N real tokens (all B*T
+        when `rows` is None), unrotated; cos/sin [B, T, 1, D] (Rope.tables) -> attention output
+        [N, NH*D]. One C call does what `attend` does after the rotation: k and v written to layer
+        `layer` of the cache, then each token attends to its slot's keys up to its position. qkv is
+        rotated in place. Only when `fused` (float32, T <= FUSED_MAX_TOKENS, no autograd). portable: the
+        kernel's C path whatever the CPU has (tests)."""
+        k_base, v_base, slots, positions, flat, n, t = self._kernel_args
+        kvh, d, max_len = self._kernel_shape
+        out = torch.empty(n, num_heads * d)
+        offset = layer * self._layer_bytes
+        cpu_kernels.attend(out.data_ptr(), qkv.data_ptr(), k_base + offset, v_base + offset, cos.data_ptr(),
+                           sin.data_ptr(), slots, positions, flat, n, t, num_heads, kvh, d, max_len,
+                           torch.get_num_threads(), portable)
+        return out
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, T, KVH, D]: store this layer's new keys/values."""

@@ -179,6 +179,10 @@ class DecoderLayer(nn.Module):
         nh, kvh = cfg.num_heads, cfg.num_kv_heads
         residual = x
         qkv = linear(rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv)
+        if batch is not None and batch.fused and not qkv.requires_grad:  # a decode or verify step: one C call
+            attn = batch.attend_fused(index, qkv.reshape(-1, qkv.shape[-1]).contiguous(), cos.contiguous(),
+                                      sin.contiguous(), nh)
+            return self._mlp(residual + linear(attn.view(*x.shape[:-1], -1), self.o))
         bsz, t = cos.shape[:2]
         if batch is not None and batch.rows is not None:
             qkv = x.new_zeros(bsz * t, qkv.shape[-1]).index_copy_(0, batch.rows, qkv)
@@ -193,8 +197,11 @@ class DecoderLayer(nn.Module):
         attn = attn.reshape(bsz, t, nh * cfg.head_dim)
         if batch is not None and batch.rows is not None:
             attn = attn.reshape(bsz * t, -1).index_select(0, batch.rows)
-        x = residual + linear(attn, self.o)
-        gate, up = linear(rms_norm(x, self.post_norm, cfg.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
+        return self._mlp(residual + linear(attn, self.o))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] (after attention's residual) -> x + the SwiGLU MLP of its norm."""
+        gate, up = linear(rms_norm(x, self.post_norm, self.cfg.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down)
 
 

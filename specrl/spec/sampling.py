@@ -208,9 +208,8 @@ class RowSampler:
             probs = torch.where((self.min_p > 0)[:, None, None], min_p_filter(probs, self.min_p), probs)
         if self.top_k is not None:
             probs = torch.where((self.top_k > 0)[:, None, None], top_k_filter(probs, self.top_k), probs)
-        filtered = self.top_p < 1
-        if bool(filtered.any()):  # only those rows: a cumulative sum can round past 1.0
-            probs = torch.where(filtered[:, None, None], top_p_filter(probs, self.top_p), probs)
+        if bool((self.top_p < 1).any()):
+            probs = top_p_filter(probs, self.top_p)
         return probs
 
 
@@ -221,12 +220,28 @@ def position_uniforms(seed: int, length: int) -> torch.Tensor:
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs [B, T, V], top_p [B] -> renormalised probs keeping the smallest set of tokens whose
-    mass reaches top_p (the most likely token is always kept)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None, None], 0.0)
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return kept / kept.sum(-1, keepdim=True)
+    mass reaches top_p (the most likely token is always kept); rows with top_p >= 1 unchanged.
+
+    The set is found among the c most likely tokens, c doubling from 64 until every filtered row's
+    candidates reach its top_p (a sort once c passes V/8): a full sort of SmolLM2's 49k vocabulary
+    costs ~3 ms a row, and its nucleus at top_p 0.9-0.95 is a median ~10 tokens, rarely above 500."""
+    v = probs.shape[-1]
+    filtered = top_p < 1
+    c = min(64, v)
+    while True:
+        if 8 * c > v:  # a wide set: one sort beats a top-k of that many
+            values, order = probs.sort(dim=-1, descending=True)
+            mass_before = values.cumsum(-1) - values
+            break
+        values, order = probs.topk(c, dim=-1)  # [B, T, c], descending
+        mass_before = values.cumsum(-1) - values
+        reached = (mass_before[..., -1] + values[..., -1] >= top_p[:, None]) | ~filtered[:, None]
+        if bool(reached.all()):
+            break
+        c *= 2
+    values = values.masked_fill(mass_before >= top_p[:, None, None], 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, values)
+    return torch.where(filtered[:, None, None], kept / kept.sum(-1, keepdim=True), probs)
 
 
 def min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -127,3 +127,72 @@ def test_fused_rms_norm_equals_the_torch_ops_and_keeps_autograd(shape):
     leaf = weight.clone().requires_grad_()
     rms_norm(x, leaf, 1e-5).sum().backward()  # training takes the ops: gradients flow
     assert leaf.grad is not None and leaf.grad.shape == weight.shape
+
+
+def _attention_case(head_dim, gen):
+    """A cache with history in every slot, and a verify-like batch: non-consecutive slots, rows at
+    different positions and of different lengths (one padded row)."""
+    from specrl.models.kv_cache import CacheBatch, KVCache
+    from specrl.models.llama import Rope
+
+    nh, kvh, max_len = 6, 2, 160
+    cache = KVCache(2, 5, max_len, kvh, head_dim)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    rope = Rope(head_dim, 10000.0, max_len)
+    slots, start, lengths = torch.tensor([3, 0, 4]), torch.tensor([7, 64, 150]), torch.tensor([5, 2, 5])
+    batch = CacheBatch(cache, slots, start, 5, lengths)
+    n = int(lengths.sum())
+    qkv = torch.randn(n, (nh + 2 * kvh) * head_dim, generator=gen)
+    return cache, batch, rope, qkv, nh, kvh
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 16])  # the unrolled D = 64 instance, and any other D
+def test_fused_attention_equals_the_torch_ops(head_dim, portable):
+    """The C kernel's rotation, cache writes and attention (packed rows of different lengths,
+    scattered slots) against apply_rope + CacheBatch.attend on the same inputs."""
+    import copy
+
+    from specrl.models.llama import apply_rope
+    from specrl.models.linear import cpu_kernels
+
+    if cpu_kernels is None:
+        pytest.skip("the C kernels are not built")
+    cache, batch, rope, qkv, nh, kvh = _attention_case(head_dim, torch.Generator().manual_seed(5))
+    assert batch.fused and batch.rows is not None
+    reference_cache = copy.deepcopy(cache)
+    cos, sin = rope.tables(batch.positions)
+    bsz, t = batch.positions.shape
+    padded = qkv.new_zeros(bsz * t, qkv.shape[1]).index_copy_(0, batch.rows, qkv).view(bsz, t, nh + 2 * kvh, head_dim)
+    qk = apply_rope(padded[:, :, : nh + kvh], cos, sin)
+    from specrl.models.kv_cache import CacheBatch
+
+    reference_batch = CacheBatch(reference_cache, batch.slots, batch.positions[:, 0], t, torch.tensor([5, 2, 5]))
+    want = reference_batch.attend(1, qk[:, :, :nh], qk[:, :, nh:], padded[:, :, nh + kvh:])
+    want = want.reshape(bsz * t, -1).index_select(0, batch.rows)
+    got = batch.attend_fused(1, qkv.clone(), cos, sin, nh, portable=portable)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.k, reference_cache.k, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.v, reference_cache.v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_fused_attention_of_a_token_does_not_depend_on_the_step_length(head_dim):
+    """Five tokens in one verify call attend exactly (bit for bit) as five one-token decode steps:
+    greedy speculation then computes the tokens plain decoding would."""
+    from specrl.models.kv_cache import CacheBatch
+    from specrl.models.linear import cpu_kernels
+
+    if cpu_kernels is None:
+        pytest.skip("the C kernels are not built")
+    cache, _, rope, _, nh, kvh = _attention_case(head_dim, torch.Generator().manual_seed(6))
+    qkv = torch.randn(5, (nh + 2 * kvh) * head_dim, generator=torch.Generator().manual_seed(7))
+    slot, start = torch.tensor([2]), 90
+    verify = CacheBatch(cache, slot, torch.tensor([start]), 5)
+    together = verify.attend_fused(0, qkv.clone(), *rope.tables(verify.positions), nh)
+    steps = []
+    for i in range(5):
+        step = CacheBatch(cache, slot, torch.tensor([start + i]), 1)
+        steps.append(step.attend_fused(0, qkv[i: i + 1].clone(), *rope.tables(step.positions), nh))
+    assert torch.equal(together, torch.cat(steps))

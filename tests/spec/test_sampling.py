@@ -124,6 +124,25 @@ def test_top_p_matches_reference_on_random_rows():
             np.testing.assert_allclose(out[b, i], ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.5])  # a few candidates, a doubled top-k, the sort
+def test_top_p_over_a_large_vocabulary_matches_reference(scale):
+    """top_p_filter searches the top 64, 128, ... tokens before it sorts: every width gives the
+    reference's set, and rows with top_p = 1 (one peaked, one flat here) keep their distribution."""
+    g = torch.Generator().manual_seed(3)
+    v = 4096
+    logits = torch.randn(4, 2, v, generator=g) * scale
+    logits[3] = torch.randn(2, v, generator=g) * 0.1  # flat, and not filtered
+    probs = torch.softmax(logits, -1)
+    top_p = torch.tensor([0.9, 0.5, 0.97, 1.0])
+    out = top_p_filter(probs, top_p).double().numpy()
+    for b in range(3):
+        for i in range(2):
+            ref = _reference_top_p(probs[b, i].double().numpy(), float(top_p[b]))
+            np.testing.assert_array_equal(out[b, i] > 0, ref > 0, err_msg=f"row {b} position {i}")
+            np.testing.assert_allclose(out[b, i], ref, atol=1e-6)
+    assert torch.equal(torch.from_numpy(out[3]).float(), probs[3])
+
+
 def test_top_p_one_row_does_not_depend_on_batch_mates():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 1, 512, generator=g) * 8  # peaked, like a real LM's next-token logits

@@ -105,6 +105,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (the fused gate|up linear's output) -> silu(gate) * up [..., I]. Float32
+    inference takes the C kernel (one pass, against chunk + silu + mul: 17 us for silu alone at
+    5 rows of SmolLM2's 1536 on the AVX2 EPYC); autograd needs the ops."""
+    if cpu_kernels is not None and gate_up.dtype == torch.float32 and not gate_up.requires_grad \
+            and gate_up.is_contiguous():
+        half = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], half)
+        cpu_kernels.silu_mul(out.data_ptr(), gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], half)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class Rope:
     """Rotary embedding tables [max_pos, D] computed once (HF's rotate-half convention).
 
@@ -201,8 +215,7 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] (after attention's residual) -> x + the SwiGLU MLP of its norm."""
-        gate, up = linear(rms_norm(x, self.post_norm, self.cfg.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down)
+        return x + linear(silu_mul(linear(rms_norm(x, self.post_norm, self.cfg.rms_norm_eps), self.gate_up)), self.down)
 
 
 class Llama(nn.Module):

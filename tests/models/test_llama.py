@@ -196,3 +196,27 @@ def test_fused_attention_of_a_token_does_not_depend_on_the_step_length(head_dim)
         step = CacheBatch(cache, slot, torch.tensor([start + i]), 1)
         steps.append(step.attend_fused(0, qkv[i: i + 1].clone(), *rope.tables(step.positions), nh))
     assert torch.equal(together, torch.cat(steps))
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (5, 3072), (2, 3, 70), (0, 64)])  # 70: a tail past the 8-lane loop
+def test_fused_silu_mul_equals_the_torch_ops_and_keeps_autograd(shape):
+    import torch.nn.functional as F
+
+    from specrl.models.linear import cpu_kernels
+    from specrl.models.llama import silu_mul
+
+    if cpu_kernels is None:
+        pytest.skip("the C kernels are not built")
+    gate_up = 6 * torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    with torch.inference_mode():
+        got = silu_mul(gate_up)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    portable = torch.empty_like(want)
+    cpu_kernels.silu_mul(portable.data_ptr(), gate_up.data_ptr(), gate_up.numel() // shape[-1], shape[-1] // 2, True)
+    torch.testing.assert_close(portable, want, atol=1e-5, rtol=1e-5)
+    leaf = gate_up.clone().requires_grad_()
+    silu_mul(leaf).sum().backward()  # training takes the ops: gradients flow
+    assert leaf.grad is not None and leaf.grad.shape == gate_up.shape

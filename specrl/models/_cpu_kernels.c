@@ -38,6 +38,10 @@
 #include <string.h>
 
 #define BLOCK 16 /* outputs per column block (the layout), whatever the vector width */
+/* Each column block the tile streams is prefetched PF_AHEAD inputs ahead (2 KB of float16): on the
+ * AVX2 EPYC (2 threads, 26-29 GB/s read) the layers' and head's matmuls took 11.6 against 13.4 ms a
+ * forward at 1 row and 19.6 against 22.5 at 5 (median of 8, side by side; 128 and 256 ahead no better). */
+#define PF_AHEAD 64
 
 enum { W_F32 = 0, W_F16 = 1 };
 
@@ -105,8 +109,11 @@ __attribute__((target("avx512f"))) static inline __m512 load16(const void *w, si
         VEC acc[MRV][NV];                                                                                      \
         for (int i = 0; i < MRV; i++)                                                                          \
             for (int v = 0; v < NV; v++) acc[i][v] = ZERO();                                                  \
+        const size_t esize = kind == W_F32 ? 4 : 2;                                                            \
         for (int64_t k = 0; k < K; k++) {                                                                      \
             VEC wv[NV];                                                                                        \
+            for (int v = 0; v < NV; v += BLOCK / (LANES))                                                     \
+                _mm_prefetch((const char *)w + (AT(b0, v, k, LANES) + PF_AHEAD * BLOCK) * esize, _MM_HINT_T0);  \
             for (int v = 0; v < NV; v++) wv[v] = LOAD(w, AT(b0, v, k, LANES), kind);                           \
             for (int i = 0; i < MRV; i++) {                                                                    \
                 VEC xv = BCAST(x[(m0 + i) * K + k]);                                                           \

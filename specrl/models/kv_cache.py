@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from specrl.models.linear import cpu_kernels
 
-FUSED_MAX_TOKENS = 16  # tokens per row the fused attention kernel takes (decode and verify steps)
+FUSED_MAX_TOKENS = 32  # tokens per row the fused kernel takes: decode and verify steps (a suffix draft of 16 + 1)
 
 
 class KVCache:

@@ -53,9 +53,20 @@ def verify(target: Llama, cache: KVCache, pending: torch.Tensor, slots: torch.Te
     hidden = target(tokens, slots, start, cache, lengths)
     logits = _logits(target, hidden, lengths)
     # the target's distributions after the processing, position i counting d_1..d_i as generated
-    probs = sampler.probs(logits, draft.tokens, target.cfg.eos_token_ids)
+    probs = _target_scores(sampler, logits, draft.tokens, target.cfg.eos_token_ids)
     accepted, emitted = accept(draft, probs, sampler.uniforms(tokens.shape[1], start + 1), sampler)
     return Verification(accepted, emitted, hidden, logits)
+
+
+def _target_scores(sampler: RowSampler, logits: torch.Tensor, tokens: torch.Tensor | None,
+                   eos_ids: tuple[int, ...]) -> torch.Tensor:
+    """logits [B, T, V] -> what `accept` reads of the target [B, T, V]: its processed distributions
+    (`RowSampler.probs`). When every row is greedy, only their argmax is read, and the processed
+    logits have the same one: the softmax over the vocabulary is skipped (~0.3 ms a step at B = 1,
+    most of 2 ms at B = 8, T = 5, on SmolLM2's 49k)."""
+    if sampler.all_greedy:
+        return sampler.adjusted(logits, tokens, eos_ids)
+    return sampler.probs(logits, tokens, eos_ids)
 
 
 def _logits(target: Llama, hidden: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -74,7 +85,7 @@ def sample_first(target: Llama, hidden: torch.Tensor, position: int, sampler: Ro
     hidden [1, H] float32; position: the new token's. -> Verification with K = 0 (hidden [1, 0, H])."""
     last = hidden[:, None]
     logits = target.logits(last)
-    probs = sampler.probs(logits, eos_ids=target.cfg.eos_token_ids)
+    probs = _target_scores(sampler, logits, None, target.cfg.eos_token_ids)
     accepted, emitted = accept(Draft.empty(1), probs, sampler.uniforms(1, torch.tensor([position])), sampler)
     return Verification(accepted, emitted, last[:, :0], logits)
 

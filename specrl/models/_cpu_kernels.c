@@ -384,7 +384,10 @@ __attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
 }
 
 /* attend_body for D = 64 in AVX2 registers: q and the output row are 8 vectors each; four keys'
- * dot products run as four independent FMA chains, summed across lanes together (two hadds). */
+ * dot products run as four independent FMA chains, summed across lanes together (two hadds). The
+ * loop runs over blocks of keys outside and the sequence's tokens inside, so a verify's tokens
+ * share each block while it is in L1 (each token's running max, sum and output row wait in
+ * memory between blocks): the same arithmetic per token, in the same order, as alone. */
 __attribute__((target("avx2,fma"))) static void attend_avx2(const attend_args *a, int64_t q, int64_t h) {
     if (a->d != 64) {
         attend_avx2_generic(a, q, h);
@@ -392,17 +395,27 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const attend_args *a
     }
     enum { D = 64, NV = D / 8 };
     const attend_task task = task_of(a, q, h, D);
+    float accs[ATT_MAX_ROWS][D] __attribute__((aligned(32))), qs[ATT_MAX_ROWS][D] __attribute__((aligned(32)));
+    float ms[ATT_MAX_ROWS], ls[ATT_MAX_ROWS];
+    int64_t keys[ATT_MAX_ROWS], most = 0;
     for (int64_t r = 0; r < task.rows; r++) {
         const float *src = task.q + r * task.q_stride;
-        __m256 qv[NV], acc[NV];
-        for (int v = 0; v < NV; v++) qv[v] = _mm256_mul_ps(_mm256_loadu_ps(src + 8 * v), _mm256_set1_ps(0.125f)),
-                                     acc[v] = _mm256_setzero_ps();
-        float m = -INFINITY, l = 0.0f;
-        float sc[ATT_KEYS] __attribute__((aligned(32)));
-        const int64_t keys = a->positions[a->flat[task.i0 + r]] + 1;
-        for (int64_t j0 = 0; j0 < keys; j0 += ATT_KEYS) {
-            const int64_t n = keys - j0 < ATT_KEYS ? keys - j0 : ATT_KEYS;
-            const float *kb = task.K + j0 * D, *vb = task.V + j0 * D;
+        for (int v = 0; v < NV; v++) {
+            _mm256_store_ps(qs[r] + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(src + 8 * v), _mm256_set1_ps(0.125f)));
+            _mm256_store_ps(accs[r] + 8 * v, _mm256_setzero_ps());
+        }
+        ms[r] = -INFINITY, ls[r] = 0.0f;
+        keys[r] = a->positions[a->flat[task.i0 + r]] + 1;
+        most = keys[r] > most ? keys[r] : most;
+    }
+    float sc[ATT_KEYS] __attribute__((aligned(32)));
+    for (int64_t j0 = 0; j0 < most; j0 += ATT_KEYS) {
+        const float *kb = task.K + j0 * D, *vb = task.V + j0 * D;
+        for (int64_t r = 0; r < task.rows; r++) {
+            const int64_t n = keys[r] - j0 < ATT_KEYS ? keys[r] - j0 : ATT_KEYS; /* keys this token sees */
+            if (n <= 0) continue;
+            __m256 qv[NV], acc[NV];
+            for (int v = 0; v < NV; v++) qv[v] = _mm256_load_ps(qs[r] + 8 * v);
             int64_t jj = 0;
             for (; jj + 4 <= n; jj += 4) {
                 const float *k0 = kb + jj * D;
@@ -424,6 +437,7 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const attend_args *a
                 x = _mm_hadd_ps(x, x);
                 sc[jj] = _mm_cvtss_f32(_mm_hadd_ps(x, x));
             }
+            const float m = ms[r];
             __m256 vmax = _mm256_set1_ps(m);
             for (jj = 0; jj + 8 <= n; jj += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(sc + jj));
             float top, lanes[8];
@@ -442,19 +456,22 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const attend_args *a
             _mm256_storeu_ps(lanes, vsum);
             for (int i = 0; i < 8; i++) sum += lanes[i];
             for (; jj < n; jj++) sc[jj] = exp_nonpos(sc[jj] - top), sum += sc[jj];
-            l = l * corr + sum;
-            m = top;
+            ls[r] = ls[r] * corr + sum;
+            ms[r] = top;
             const __m256 c = _mm256_set1_ps(corr);
-            for (int v = 0; v < NV; v++) acc[v] = _mm256_mul_ps(acc[v], c);
+            for (int v = 0; v < NV; v++) acc[v] = _mm256_mul_ps(_mm256_load_ps(accs[r] + 8 * v), c);
             for (jj = 0; jj < n; jj++) {
                 const __m256 w = _mm256_set1_ps(sc[jj]);
                 const float *vj = vb + jj * D;
                 for (int v = 0; v < NV; v++) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * v), acc[v]);
             }
+            for (int v = 0; v < NV; v++) _mm256_store_ps(accs[r] + 8 * v, acc[v]);
         }
+    }
+    for (int64_t r = 0; r < task.rows; r++) {
         float *o = task.out + r * task.out_stride;
-        const __m256 inv = _mm256_set1_ps(1.0f / l);
-        for (int v = 0; v < NV; v++) _mm256_storeu_ps(o + 8 * v, _mm256_mul_ps(acc[v], inv));
+        const __m256 inv = _mm256_set1_ps(1.0f / ls[r]);
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(o + 8 * v, _mm256_mul_ps(_mm256_load_ps(accs[r] + 8 * v), inv));
     }
 }
 

@@ -3,7 +3,8 @@ vLLM speculative (`--backend native,vllm`), one run.
 
 Every engine decodes the same chat-templated prompts greedily, exactly `new_tokens` tokens per
 sequence (EOS ignored), at each batch size B, all B requests submitted at once: one warm-up
-run, then one timed run; tokens/s is the generated tokens over the timed run's wall time
+run, then one timed run (native plain and speculative: five rounds of the two in turn, each
+side's median round kept); tokens/s is the generated tokens over the timed run's wall time
 (prefill included), TTFT the mean (and max) over the batch of the time from submission to a
 request's first token (not for HF `generate`, which returns at the end). Native plain and native
 speculative run back to back per B and share one target (the same weights object), so their
@@ -57,6 +58,7 @@ from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
 
 NATIVE_PLAIN, NATIVE_SPEC, HF = "native_plain", "native_spec", "hf_generate"
+NATIVE_ROUNDS = 5  # timed runs per native engine and batch size, plain and speculative in turn
 CURVE_BATCHES, CURVE_POSITIONS = (1, 4, 8), (1, 2, 3, 5, 9, 17)
 RSS_HEADROOM = 1.25  # peak RSS of the engines <= (model + KV caches) x this
 # (ratio name, metric, numerator engine, denominator engine), per batch size when both were measured
@@ -154,8 +156,9 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
         prompts = chat_prompts(spec.tokenizer, max(batch_sizes))
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         for b in batch_sizes:
-            for name, engine in ((NATIVE_PLAIN + suffix, plain), (NATIVE_SPEC + suffix, spec)):
-                rows.append({**_measure(name, b, lambda: _native_run(engine, prompts[:b], params)), "dtype": dtype})
+            runs = {name: (lambda engine=engine: _native_run(engine, prompts[:b], params))
+                    for name, engine in ((NATIVE_PLAIN + suffix, plain), (NATIVE_SPEC + suffix, spec))}
+            rows += [{**row, "dtype": dtype} for row in _measure_alternately(runs, b)]
         _progress(f"forward cost curve ({dtype})")
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
         if memory is None:  # float32 first: the memory limit is its
@@ -254,6 +257,26 @@ def batch_stats(tokens: list[int], first_token_s: list[float | None], specs: lis
         stats.update(num_draft_tokens=total.num_draft_tokens, num_accepted_tokens=total.num_accepted_tokens,
                      tokens_per_step=total.tokens_per_step, acceptance_rate=total.acceptance_rate or 0.0)
     return stats
+
+
+def _measure_alternately(runs: dict[str, Callable[[], dict]], batch_size: int) -> list[dict]:
+    """Warm every run up once, then time NATIVE_ROUNDS rounds of all of them in turn -> per run the
+    `timed_row` of its median-time round. A load spike from another process then falls on both sides
+    of a ratio alike, or on one round of it (on the AVX2 EPYC, plain B=1 read 47-66 tok/s from run
+    to run; three rounds gave an untrained drafter 0.90x that six alternating rounds put at 0.99x)."""
+    for run in runs.values():
+        run()
+    timed: dict[str, list[tuple[float, dict]]] = {name: [] for name in runs}
+    for _ in range(NATIVE_ROUNDS):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            stats = run()
+            timed[name].append((time.perf_counter() - started, stats))
+    rows = []
+    for name, results in timed.items():
+        seconds, stats = sorted(results, key=lambda r: r[0])[len(results) // 2]
+        rows.append(timed_row(name, batch_size, seconds, stats))
+    return rows
 
 
 def _measure(engine: str, batch_size: int, run: Callable[[], dict]) -> dict:

@@ -114,14 +114,19 @@ class CacheBatch:
         `layer` of the cache, then each token attends to its slot's keys up to its position. qkv is
         rotated in place. Only when `fused` (float32, T <= FUSED_MAX_TOKENS, no autograd). portable: the
         kernel's C path whatever the CPU has (tests)."""
-        k_base, v_base, slots, positions, flat, n, t = self._kernel_args
-        kvh, d, max_len = self._kernel_shape
-        out = torch.empty(n, num_heads * d)
-        offset = layer * self._layer_bytes
-        cpu_kernels.attend(out.data_ptr(), qkv.data_ptr(), k_base + offset, v_base + offset, cos.data_ptr(),
-                           sin.data_ptr(), slots, positions, flat, n, t, num_heads, kvh, d, max_len,
-                           torch.get_num_threads(), portable)
+        kvh, d, _ = self._kernel_shape
+        out = torch.empty(qkv.shape[0], num_heads * d)
+        k, v, slots, positions, flat, n, t, max_len = self.kernel_args(layer)
+        cpu_kernels.attend(out.data_ptr(), qkv.data_ptr(), k, v, cos.data_ptr(), sin.data_ptr(), slots, positions,
+                           flat, n, t, num_heads, kvh, d, max_len, torch.get_num_threads(), portable)
         return out
+
+    def kernel_args(self, layer: int) -> tuple[int, ...]:
+        """-> the C kernels' cache arguments for `layer` (when `fused`): k and v of the layer, slots,
+        positions, flat token indices (pointers), N real tokens, T, the cache's positions per slot."""
+        k_base, v_base, slots, positions, flat, n, t = self._kernel_args
+        offset = layer * self._layer_bytes
+        return k_base + offset, v_base + offset, slots, positions, flat, n, t, self._kernel_shape[2]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, T, KVH, D]: store this layer's new keys/values."""

@@ -192,6 +192,11 @@ class PackedLinear:
             out = out[:, : self.out_features].contiguous()
         return out.view(*x.shape[:-1], self.out_features)
 
+    def streams(self, rows: int) -> bool:
+        """Whether `rows` rows take the stream kernel on unpadded blocked storage (what
+        `_cpu_kernels.layer` calls directly)."""
+        return self._by_rows[min(rows, MAX_ROWS)] is _stream and self.out_features % BLOCK == 0
+
     def plain(self) -> torch.Tensor:
         """-> [OUT, IN]: the weight in the checkpoint's layout (a copy for a packed storage)."""
         return STORAGES[self.storage].unpack(self.stored)[: self.out_features]

@@ -11,6 +11,10 @@ safetensors files into the parameters. For serving, `load_llama(dir, plan)` then
 linear once as the start-up calibration chose for this CPU (`specrl.models.calibration`),
 in float32 or bfloat16; training builds and backpropagates through the plain form.
 
+A float32 decode or verify step whose four linears all take the stream kernel runs each layer as
+one C call (`DecoderLayer.forward_streamed`: norms, linears, fused attention, SwiGLU, residuals);
+otherwise the same kernels are called op by op, and prefill chunks take torch's SDPA.
+
 Left out, measured (AVX2 EPYC, 1 thread, SmolLM2, context 120): torch.compile (inductor CPU,
 dynamic shapes) of the decoder layer. It cannot take oneDNN's opaque packed weights; with the
 linears left eager it compiled 6-12 s per new (B, T) case, failed on a masked one, and ran
@@ -191,6 +195,8 @@ class DecoderLayer(nn.Module):
         rows on, on these CPUs)."""
         cfg = self.cfg
         nh, kvh = cfg.num_heads, cfg.num_kv_heads
+        if batch is not None and batch.fused and self.streams(x):
+            return self.forward_streamed(x, cos, sin, batch, index)
         residual = x
         qkv = linear(rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv)
         if batch is not None and batch.fused and not qkv.requires_grad:  # a decode or verify step: one C call
@@ -212,6 +218,35 @@ class DecoderLayer(nn.Module):
         if batch is not None and batch.rows is not None:
             attn = attn.reshape(bsz * t, -1).index_select(0, batch.rows)
         return self._mlp(residual + linear(attn, self.o))
+
+    def streams(self, x: torch.Tensor) -> bool:
+        """Whether this forward can be one `_cpu_kernels.layer` call: float32 inference, and every
+        linear takes the stream kernel (one weight dtype) at x's row count."""
+        weights = [getattr(self, name) for name in self.LINEARS]
+        rows = x.numel() // x.shape[-1]
+        return cpu_kernels is not None and x.dtype == torch.float32 and not x.requires_grad and x.is_contiguous() \
+            and all(isinstance(w, PackedLinear) and w.streams(rows) for w in weights) \
+            and len({w.dtype for w in weights}) == 1 and self.input_norm.dtype == torch.float32
+
+    def forward_streamed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: CacheBatch,
+                         index: int) -> torch.Tensor:
+        """`forward` of a decode or verify step in one C call (when `streams(x)` and `batch.fused`): the
+        same kernels in the same order, so the same values to the bit, without the ~120 us of Python
+        and dispatch a layer between them."""
+        cfg = self.cfg
+        rows, hidden = x.numel() // x.shape[-1], cfg.hidden_size
+        width, inter = self.qkv.out_features, cfg.intermediate_size
+        attn = cfg.num_heads * cfg.head_dim
+        scratch = torch.empty(rows * (5 * hidden + width + attn + 3 * inter))  # the C call's intermediates
+        out = torch.empty_like(x)
+        k, v, slots, positions, flat, n, t, max_len = batch.kernel_args(index)
+        cpu_kernels.layer(out.data_ptr(), x.data_ptr(), scratch.data_ptr(), self.qkv.stored.data_ptr(),
+                          self.o.stored.data_ptr(), self.gate_up.stored.data_ptr(), self.down.stored.data_ptr(),
+                          0 if self.qkv.dtype == torch.float32 else 1, self.input_norm.data_ptr(),
+                          self.post_norm.data_ptr(), cfg.rms_norm_eps, hidden, width, inter, k, v,
+                          cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots, positions, flat, n, t,
+                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, torch.get_num_threads())
+        return out
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] (after attention's residual) -> x + the SwiGLU MLP of its norm."""

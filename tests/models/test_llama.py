@@ -220,3 +220,50 @@ def test_fused_silu_mul_equals_the_torch_ops_and_keeps_autograd(shape):
     leaf = gate_up.clone().requires_grad_()
     silu_mul(leaf).sum().backward()  # training takes the ops: gradients flow
     assert leaf.grad is not None and leaf.grad.shape == gate_up.shape
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lengths", [None, [3, 1]])  # equal rows, and a packed verify
+def test_one_call_layer_computes_the_per_op_path_to_the_bit(weight_dtype, lengths):
+    """A decoder layer whose linears all stream runs as one `_cpu_kernels.layer` call; it must give
+    what the per-op path (the same kernels called from Python) gives, bit for bit, cache included."""
+    import copy
+
+    from specrl.models.kv_cache import CacheBatch, KVCache
+    from specrl.models.linear import MAX_ROWS, PackedLinear, cpu_kernels
+    from specrl.models.llama import DecoderLayer, LlamaConfig, Rope
+
+    if cpu_kernels is None:
+        pytest.skip("the C kernels are not built")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(8)
+    layer = DecoderLayer(cfg)
+    with torch.no_grad():
+        for name in DecoderLayer.LINEARS:
+            weight = torch.randn(getattr(layer, name).shape, generator=gen) * 0.05
+            packed = PackedLinear(weight.to(weight_dtype), "blocked", (MAX_ROWS,), ("stream",))
+            layer._parameters.pop(name)
+            object.__setattr__(layer, name, packed)
+        layer.input_norm.copy_(1 + 0.1 * torch.randn(128, generator=gen))
+        layer.post_norm.copy_(1 + 0.1 * torch.randn(128, generator=gen))
+    rope = Rope(64, 10000.0, 64)
+    cache = KVCache(2, 3, 64, 2, 64)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    per_op_cache = copy.deepcopy(cache)
+    slots, start = torch.tensor([2, 0]), torch.tensor([9, 30])
+    lens = None if lengths is None else torch.tensor(lengths)
+    rows = 6 if lengths is None else sum(lengths)
+    x = torch.randn(rows if lengths else 2, *(() if lengths else (3,)), 128, generator=gen)
+    with torch.inference_mode():
+        batch = CacheBatch(cache, slots, start, 3, lens)
+        cos, sin = rope.tables(batch.positions)
+        assert layer.streams(x) and batch.fused
+        got = layer(x, cos, sin, batch, 1)
+        per_op_batch = CacheBatch(per_op_cache, slots, start, 3, lens)
+        layer.streams = lambda x: False  # the per-op path, for comparison
+        want = layer(x, cos, sin, per_op_batch, 1)
+    assert torch.equal(got, want)
+    assert torch.equal(cache.k, per_op_cache.k) and torch.equal(cache.v, per_op_cache.v)

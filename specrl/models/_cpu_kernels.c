@@ -493,6 +493,27 @@ static void attend(attend_args *a, int64_t sequences, int threads, int portable)
     }
 }
 
+/* The shapes `attend` takes: N tokens of up to ATT_MAX_ROWS a sequence, NH a multiple of KVH, even D. */
+static int attend_shape_ok(int64_t N, int64_t T, int64_t nh, int64_t kvh, int64_t d, int64_t max_len, int threads) {
+    return N >= 1 && T >= 1 && T <= ATT_MAX_ROWS && kvh >= 1 && nh % kvh == 0 && d >= 2 && d % 2 == 0 &&
+           d <= ATT_MAX_D && max_len >= 1 && threads >= 1;
+}
+
+/* -> first [sequences + 1] (PyMem; NULL with MemoryError set): each sequence's first token index, for
+ * `attend_args.first`. flat [N] is ascending (b T + t), so a sequence's tokens are consecutive. */
+static int64_t *sequence_starts(const int64_t *flat, int64_t N, int64_t T, int64_t *sequences) {
+    int64_t *first = PyMem_Malloc((N + 1) * sizeof(int64_t));
+    if (first == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *sequences = 0;
+    for (int64_t i = 0; i < N; i++)
+        if (i == 0 || flat[i] / T != flat[i - 1] / T) first[(*sequences)++] = i;
+    first[*sequences] = N;
+    return first;
+}
+
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     unsigned long long out, qkv, kc, vc, cos, sin, slots, positions, flat;
     long long N, T, nh, kvh, d, max_len;
@@ -500,8 +521,7 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKKKKKKKKLLLLLLi|p", &out, &qkv, &kc, &vc, &cos, &sin, &slots, &positions, &flat,
                           &N, &T, &nh, &kvh, &d, &max_len, &threads, &portable))
         return NULL;
-    if (N < 1 || T < 1 || T > ATT_MAX_ROWS || kvh < 1 || nh % kvh || d < 2 || d % 2 || d > ATT_MAX_D ||
-        max_len < 1 || threads < 1) {
+    if (!attend_shape_ok(N, T, nh, kvh, d, max_len, threads)) {
         PyErr_Format(PyExc_ValueError, "attend: needs N >= 1, 1 <= T <= %d, NH a multiple of KVH, even D <= %d, "
                      "threads >= 1", ATT_MAX_ROWS, ATT_MAX_D);
         return NULL;
@@ -510,11 +530,8 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
                      (float *)(uintptr_t)vc, (const float *)(uintptr_t)cos, (const float *)(uintptr_t)sin,
                      (const int64_t *)(uintptr_t)slots, (const int64_t *)(uintptr_t)positions,
                      (const int64_t *)(uintptr_t)flat, NULL, N, T, nh, kvh, d, max_len};
-    int64_t *first = PyMem_Malloc((N + 1) * sizeof(int64_t)), sequences = 0;
-    if (first == NULL) return PyErr_NoMemory();
-    for (int64_t i = 0; i < N; i++) /* flat is ascending: a sequence's tokens are consecutive */
-        if (i == 0 || a.flat[i] / T != a.flat[i - 1] / T) first[sequences++] = i;
-    first[sequences] = N;
+    int64_t sequences, *first = sequence_starts(a.flat, N, T, &sequences);
+    if (first == NULL) return NULL;
     a.first = first;
     Py_BEGIN_ALLOW_THREADS
     attend(&a, sequences, threads, portable);
@@ -583,9 +600,8 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
                           &kind, &norm_in, &norm_post, &eps, &H, &Wq, &I, &kc, &vc, &cos, &sin, &slots, &positions,
                           &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads))
         return NULL;
-    if (N < 1 || T < 1 || T > ATT_MAX_ROWS || kvh < 1 || nh % kvh || d < 2 || d % 2 || d > ATT_MAX_D ||
-        max_len < 1 || threads < 1 || H % BLOCK || Wq % BLOCK || (2 * I) % BLOCK || Wq != (nh + 2 * kvh) * d ||
-        (kind != W_F32 && kind != W_F16)) {
+    if (!attend_shape_ok(N, T, nh, kvh, d, max_len, threads) || H % BLOCK || Wq % BLOCK || (2 * I) % BLOCK ||
+        Wq != (nh + 2 * kvh) * d || (kind != W_F32 && kind != W_F16)) {
         PyErr_SetString(PyExc_ValueError, "layer: shapes the stream kernel and attend cannot take");
         return NULL;
     }
@@ -597,11 +613,8 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
                      (const float *)(uintptr_t)sin, (const int64_t *)(uintptr_t)slots,
                      (const int64_t *)(uintptr_t)positions, (const int64_t *)(uintptr_t)flat, NULL, N, T, nh, kvh,
                      d, max_len};
-    int64_t *first = PyMem_Malloc((N + 1) * sizeof(int64_t)), sequences = 0;
-    if (first == NULL) return PyErr_NoMemory();
-    for (int64_t i = 0; i < N; i++)
-        if (i == 0 || a.flat[i] / T != a.flat[i - 1] / T) first[sequences++] = i;
-    first[sequences] = N;
+    int64_t sequences, *first = sequence_starts(a.flat, N, T, &sequences);
+    if (first == NULL) return NULL;
     a.first = first;
     Py_BEGIN_ALLOW_THREADS
     rms_norm(xin, (const float *)(uintptr_t)norm_in, h, N, H, eps);

@@ -16,8 +16,9 @@ from typing import AsyncIterator, Callable
 from specrl.engine.engine import Engine
 from specrl.engine.outputs import StepOutput
 from specrl.engine.sequence import Sequence
-from specrl.engine.swap import SwapResult, load_swap
+from specrl.engine.swap import SwapRequest, SwapResult, load_swap
 from specrl.errors import EngineUnavailableError
+from specrl.models.compute_threads import release_compute_threads
 from specrl.spec.sampling import SamplingParams
 from specrl.telemetry.fleet import FleetFeed
 from specrl.telemetry.redis_sink import RedisSink
@@ -64,6 +65,9 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def start(self) -> None:
+        """Start the engine thread, from the thread that built the engine: that thread's OpenMP
+        workers exit first (`specrl.models.compute_threads`: they would slow every decode step)."""
+        release_compute_threads()
         self._thread.start()
         if self.fleet is not None:
             self.fleet.start()
@@ -112,7 +116,7 @@ class EngineLoop:
 
     async def swap(self, role: str, version: str, mode: str, directory) -> SwapResult:
         """Load and check off the decode path, apply at the next step boundary."""
-        request = await asyncio.to_thread(load_swap, role, version, mode, directory, self.engine.target, self.engine.plan)
+        request = await asyncio.to_thread(_load_swap_and_release, role, version, mode, directory, self.engine)
         self.engine.request_swap(request)
         self._wake.set()
         return await asyncio.wrap_future(request.done)
@@ -181,3 +185,11 @@ class EngineLoop:
                 target = self._queues.get(out.request_id)
                 if target is not None:
                     target[0].call_soon_threadsafe(target[1].put_nowait, out)
+
+
+def _load_swap_and_release(role: str, version: str, mode: str, directory, engine: Engine) -> SwapRequest:
+    """`load_swap` on a worker thread, whose OpenMP workers then exit (`specrl.models.compute_threads`)."""
+    try:
+        return load_swap(role, version, mode, directory, engine.target, engine.plan)
+    finally:
+        release_compute_threads()

@@ -58,10 +58,10 @@ from specrl.trainer.rollout import TEMPERATURE, RolloutClient, RolloutPipeline, 
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.apps.rl")
-SPEED_METHOD = ("final policy; the live server (drafter, adaptive k) vs a second server on the same store with "
-                "--drafter none; the same held-out tasks sent as rollouts are (one request at a time, n samples, "
-                "same max_tokens and temperature, fixed seeds), one warm-up each, rounds in alternating order; "
-                "tokens/s = completion tokens / summed request time")
+SPEED_METHOD = ("final policy; the live server (drafter and suffix index, adaptive k) vs a second server on the same "
+                "store with --drafter none --suffix-capacity 0 (plain decoding); the same held-out tasks sent as "
+                "rollouts are (one request at a time, n samples, same max_tokens and temperature, no seed), one "
+                "warm-up each, rounds in alternating order; tokens/s = completion tokens / summed request time")
 
 
 def register(sub) -> None:
@@ -315,20 +315,24 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
     """Rollout tokens/s with and without speculation, side by side, on the final policy.
 
     Method: after training has stopped (no rollouts, no evaluations, the drafter trainer ended), a
-    second server starts on the same weights store with `--drafter none`, so it serves the same
-    current policy with no drafter at all (the plain k = 0 decode path; not a switch inside the
-    speculating server, which would still carry the drafter's bookkeeping and would set k for the
-    whole batch). Both get the same held-out tasks the way training rollouts are sent: one request
-    at a time, n samples each, the same max_tokens, temperature and log-prob/token-id options,
-    with fixed seeds. Each server answers one untimed warm-up request; then rounds alternate
-    the order (A B, B A, ...) so drift in machine load falls on both. tokens/s = completion tokens
-    / summed request wall time (sampled completions can differ in length; the rate accounts for it).
+    second server starts on the same weights store with `--drafter none --suffix-capacity 0`, so
+    it serves the same current policy with no proposer at all (the plain k = 0 decode path; not a
+    switch inside the speculating server, which would still carry the drafter's bookkeeping and
+    would set k for the whole batch). Both get the same held-out tasks the way training rollouts
+    are sent: one request at a time, n samples each, the same max_tokens, temperature and
+    log-prob/token-id options, and no seed. (Fixed seeds, as this measurement once used, repeat
+    the same texts every round: the live server's suffix index then recalls round 1 in round 2,
+    which no training epoch sees; and seeded rows take the coupled rule, under which the head
+    accepts less than training's unseeded rollouts.) Each server answers one untimed warm-up
+    request; then rounds alternate the order (A B, B A, ...) so drift in machine load falls on
+    both. tokens/s = completion tokens / summed request wall time (sampled completions differ in
+    length; the rate accounts for it).
     """
     port = free_port()
     plain_url, log_path = f"http://{settings.host}:{port}", run_dir / "server-no-speculation.log"
     try:
-        server = spawn(["serve", *flags, "--drafter", "none", "--port", str(port), "--host", settings.host], env_vars,
-                       log_path)
+        server = spawn(["serve", *flags, "--drafter", "none", "--suffix-capacity", "0", "--port", str(port),
+                        "--host", settings.host], env_vars, log_path)
     except OSError as exc:
         return {"error": repr(exc)}
     clients = {"with_speculation": RolloutClient(url, settings.model, n=n, max_tokens=max_tokens),
@@ -337,13 +341,13 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
     try:
         wait_healthy(plain_url, server, log_path)
         for client in clients.values():
-            client.complete(messages[0], n=n, temperature=TEMPERATURE, seed=settings.seed)
+            client.complete(messages[0], n=n, temperature=TEMPERATURE)
             client.tokens, client.seconds = 0, 0.0
         before = sample_metrics(url, 0.0)
         for r in range(rounds):
             for client in list(clients.values())[:: 1 if r % 2 == 0 else -1]:
-                for i, m in enumerate(messages):
-                    client.complete(m, n=n, temperature=TEMPERATURE, seed=settings.seed + i * n)
+                for m in messages:
+                    client.complete(m, n=n, temperature=TEMPERATURE)
         after, plain = sample_metrics(url, 0.0), sample_metrics(plain_url, 0.0)
         if before is None or after is None or plain is None:
             raise OSError("a server did not answer /metrics")

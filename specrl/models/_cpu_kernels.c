@@ -32,12 +32,16 @@
  * rms_norm: out = x / sqrt(mean(x^2) + eps) * w over rows of H float32 values, in one pass per
  * row instead of torch's six ops (~40 us of dispatch a call for SmolLM2's 576 values, 61 calls a
  * forward). The sum is accumulated in double, so it rounds no worse than torch's float32 mean.
+ *
+ * release_threads: the calling thread's OpenMP worker threads exit (specrl.models.compute_threads
+ * says why and who calls it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
 #define BLOCK 16 /* outputs per column block (the layout), whatever the vector width */
@@ -641,6 +645,12 @@ static PyObject *py_path(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(name);
 }
 
+static PyObject *py_release_threads(PyObject *self, PyObject *noargs) {
+    /* omp_pause_soft frees the calling thread's pool (OpenMP 5.0; libgomp since GCC 9): its
+     * workers exit and the runtime counts them no more. -1: called inside a parallel region. */
+    return PyLong_FromLong(omp_pause_resource_all(omp_pause_soft));
+}
+
 static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS,
      "gemm(out_ptr, x_ptr, w_ptr, M, K, N, kind, threads, portable=False): out[M,N] = x[M,K] @ W^T, W blocked "
@@ -658,6 +668,8 @@ static PyMethodDef methods[] = {
      "silu_mul(out_ptr, gate_up_ptr, rows, I, portable=False): out[r] = silu(gate_up[r, :I]) * gate_up[r, I:], float32"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(out_ptr, x_ptr, w_ptr, rows, H, eps): out = x / sqrt(mean(x^2) + eps) * w, float32 rows of H"},
+    {"release_threads", py_release_threads, METH_NOARGS,
+     "release_threads() -> 0 once the calling thread's OpenMP worker threads have exited (-1 inside a parallel region)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -126,12 +126,9 @@ class Meter:
                 spec_s, [done], stats = _run(engine, [prompt], params)
                 tallies[name].add(spec_s, [done], stats, [reference.output_ids])
                 ratios[name].append(len(done.output_ids) / spec_s / (len(reference.output_ids) / seconds))
-        result["plain"]["b1"] = plain.speed()
-        for name, tally in tallies.items():
-            b1 = result["drafters"][name]["b1"] = tally.speed()
-            result["drafters"][name]["ratio_b1"] = b1["tokens_per_s"] / result["plain"]["b1"]["tokens_per_s"]
+        _record(result, "b1", plain, tallies)
+        for name in tallies:
             result["drafters"][name]["ratio_b1_median"] = sorted(ratios[name])[len(prompts) // 2]
-
 
     def _batch4(self, engines: dict, prompts: list[list[int]], params, result: dict) -> None:
         """B = 4 over all prompts: B4_ROUNDS rounds of plain and each engine, in alternating order
@@ -146,10 +143,15 @@ class Meter:
                     reference = reference or [c.output_ids for c in done]
                 else:
                     tallies[name].add(seconds, done, counts, reference)
-        result["plain"]["b4"] = plain.speed()
-        for name, tally in tallies.items():
-            b4 = result["drafters"][name]["b4"] = tally.speed()
-            result["drafters"][name]["ratio_b4"] = b4["tokens_per_s"] / result["plain"]["b4"]["tokens_per_s"]
+        _record(result, "b4", plain, tallies)
+
+
+def _record(result: dict, key: str, plain: "_Tally", tallies: dict) -> None:
+    """Write plain's and each engine's speed under `key` ("b1", "b4"), with each engine's ratio to plain."""
+    result["plain"][key] = plain.speed()
+    for name, tally in tallies.items():
+        speed = result["drafters"][name][key] = tally.speed()
+        result["drafters"][name][f"ratio_{key}"] = speed["tokens_per_s"] / result["plain"][key]["tokens_per_s"]
 
 
 def _use(engine, version: str, drafter) -> None:

@@ -101,13 +101,18 @@ class Settings:
     unroll_steps: int = setting(1, "extra passes on the drafter's own predicted features (training-time test); 0: off")
     train_records: int = setting(16, "records per optimizer step")
     train_positions: int = setting(1024, "at most this many drafter positions per optimizer step")
-    publish_every_s: float = setting(60.0, "evaluate (and maybe publish) at least this often")
+    # The lag from a record to a serving drafter that learned from it is about this cadence; a drafter
+    # swap never changes outputs, and the canary rolls back live regressions.
+    publish_every_s: float = setting(10.0, "evaluate (and maybe publish) at least this often")
     publish_every_steps: int = setting(50, "evaluate (and maybe publish) every this many optimizer steps")
-    publish_margin: float = setting(0.02, "a candidate must beat the serving drafter's held-out tau by this fraction")
+    publish_margin: float = setting(0.0, "a candidate that learned from new records is published when its held-out "
+                                         "tau is at least the serving drafter's times (1 + this)")
     heldout_fraction: float = setting(0.1, "fraction of requests held out for evaluation")
     eval_k: int = setting(4, "draft length of the held-out evaluation")
-    canary_tokens: int = setting(200, "drafted tokens observed before judging a new drafter live")
-    canary_margin: float = setting(0.05, "roll back when a new drafter's live accept rate falls this far below the last")
+    canary_tokens: int = setting(200, "drafted tokens observed before judging the drafters published since the "
+                                      "last verdict live")
+    canary_margin: float = setting(0.05, "roll back to the last good drafter when the newer ones' live accept rate "
+                                         "falls this far below its")
     consumer: str = setting("trainer-0", "stable consumer name in the stream's consumer group")
     claim_idle_ms: int = setting(60_000, "another consumer's records idle this long are claimed (it died)")
     trainer_metrics_port: int = setting(0, "serve the trainer's Prometheus metrics on this port (0: off)")

@@ -6,9 +6,11 @@
          records, else recomputed with a frozen copy of the target at the record's version
       -> drafter loss (objective) -> optimizer step (nothing new: replay recent examples)
       -> every few steps: checkpoint the trainer's state, then ack the records it covers
-      -> every N steps or T seconds: exact greedy acceptance of candidate vs serving drafter on
-         the held-out slice; publish and swap replicas if the candidate wins by a margin
-      -> canary: a published drafter that accepts worse live is rolled back.
+      -> every N steps or T seconds: exact greedy acceptance of the candidate on the held-out slice
+         (the serving drafter's is kept until the slice changes); publish and swap replicas when
+         the candidate learned from new records and is at least as good (times 1 + margin): the
+         lag from a record to a serving drafter that learned from it is about that cadence
+      -> canary: published drafters that accept worse live are rolled back to the last good one.
 
 Staleness rule: records name the policy version that produced them; a record whose version is
 not the newest one seen is trained with weight 0.25 (the drafter must follow the current policy),
@@ -99,6 +101,9 @@ class DrafterTrainer:
         self.history: list[dict] = []  # evaluations and publishes, for reports
         self._last_eval = time.monotonic()
         self._last_eval_step = 0
+        self._published_records = 0  # self.records when the serving drafter was published
+        self._heldout_added = 0  # examples ever held out: the slice's identity
+        self._serving_tau: tuple[int, float | None] | None = None  # (slice, the serving drafter's tau on it)
         self._scaled = start.drafter != DAY0  # a trained drafter already carries its feature scale
         self.load_state()
 
@@ -256,6 +261,7 @@ class DrafterTrainer:
             hidden = self._example_features(example)
             if hidden is not None:
                 self.heldout.append((example, hidden))
+                self._heldout_added += 1
                 self.tokens["heldout"] += len(example.positions)
 
     def evaluate(self, drafter: EagleDrafter) -> float | None:
@@ -270,16 +276,23 @@ class DrafterTrainer:
                or time.monotonic() - self._last_eval >= self.settings.publish_every_s)
         if not due or self.step == self._last_eval_step or not self.heldout:
             return None
-        candidate, serving = self.evaluate(self.drafter), self.evaluate(self.serving)
+        candidate, serving = self.evaluate(self.drafter), self.serving_tau()
         self._last_eval, self._last_eval_step = time.monotonic(), self.step  # after: evaluation time is not training time
         entry = self.events.write("evaluate", step=self.step, records=self.records, candidate_tau=candidate,
                                   serving_tau=serving, serving_version=self.serving_version)
         self.history.append({**entry, "published": None})
         log.info("event=evaluate step=%d records=%d candidate_tau=%s serving_tau=%s", self.step, self.records,
                  candidate, serving)
-        if candidate is None or serving is None or candidate <= serving * (1 + self.settings.publish_margin):
+        if (candidate is None or serving is None or candidate < serving * (1 + self.settings.publish_margin)
+                or self.records == self._published_records):
             return None
         return self._publish(candidate, serving, self.history[-1])
+
+    def serving_tau(self) -> float | None:
+        """The serving drafter's held-out tau, evaluated once per held-out slice."""
+        if self._serving_tau is None or self._serving_tau[0] != self._heldout_added:
+            self._serving_tau = (self._heldout_added, self.evaluate(self.serving))
+        return self._serving_tau[1]
 
     def _publish(self, candidate: float, serving: float, entry: dict) -> str | None:
         if self.publisher is None:
@@ -301,24 +314,24 @@ class DrafterTrainer:
             self.canary.watch(version, self.serving_version)
             self.serving, self.serving_version = copy.deepcopy(self.drafter), version
             self.serving.retarget(self.drafter.target)
+            self._serving_tau, self._published_records = (self._heldout_added, candidate), self.records
         return version
 
     def check_canary(self) -> None:
-        reason = self.canary.verdict()
-        if reason is None or self.publisher is None:
+        rollback = self.canary.verdict()
+        if rollback is None or self.publisher is None:
             return
-        bad, parent = self.serving_version, self.store.parent("drafter", self.serving_version)
-        if parent is None or parent not in {m.version for m in self.store.versions("drafter")}:
-            log.warning("event=rollback_impossible version=%s parent=%s reason=%r (the parent is not in the store)",
-                        bad, parent, reason)
+        bad, good, reason = self.serving_version, rollback.to, rollback.reason
+        if good not in {m.version for m in self.store.versions("drafter")}:
+            log.warning("event=rollback_impossible version=%s to=%s reason=%r (not in the store)", bad, good, reason)
             return
-        report = self.publisher.swap(parent)
-        log.warning("event=rollback version=%s to=%s reason=%r swapped=%s", bad, parent, reason, report.swapped)
-        entry = self.events.write("rollback", step=self.step, version=bad, to=parent, reason=reason,
+        report = self.publisher.swap(good)
+        log.warning("event=rollback version=%s to=%s reason=%r swapped=%s", bad, good, reason, report.swapped)
+        entry = self.events.write("rollback", step=self.step, version=bad, to=good, reason=reason,
                                   swapped=report.swapped)
         self.history.append({**entry, "rollback": bad})
-        self.serving = EagleDrafter.load(self.store.verify("drafter", parent), self.drafter.target)
-        self.serving_version = parent
+        self.serving = EagleDrafter.load(self.store.verify("drafter", good), self.drafter.target)
+        self.serving_version, self._serving_tau = good, None
 
     # ---- state ------------------------------------------------------------------------------------
     def save_state(self) -> None:

@@ -200,7 +200,7 @@ def _start_children(children: list, settings: Settings, common: list[str], env_v
     children.append(spawn(["serve", *common, "--port", str(settings.port), "--host", settings.host], env_vars,
                           run_dir / "server.log"))
     wait_healthy(url, children[0], run_dir / "server.log")
-    children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30",
+    children.append(spawn(["train-drafter", *common, "--server", url,
                            "--trainer-events", str(run_dir / "drafter-events.jsonl")], env_vars,
                           run_dir / "drafter-trainer.log"))
 

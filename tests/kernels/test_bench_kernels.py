@@ -34,3 +34,15 @@ def test_bench_kernels_writes_json_png_and_table(tmp_path, capsys):
     assert (tmp_path / "bench-kernels.png").read_bytes().startswith(PNG_SIGNATURE)
     out = capsys.readouterr().out
     assert "loop/twin" in out and "twin skipped" in out and str(tmp_path / "bench-kernels.json") in out
+
+
+def test_the_loss_is_measured_at_the_trainers_own_shapes(home, tiny_dir, tmp_path):
+    from specrl.apps.bench.kernels import trainer_loss_shapes
+    from specrl.models.llama import LlamaConfig
+
+    cfg = LlamaConfig.from_dir(tiny_dir)
+    settings = Settings.load(home=home, model="tiny-random", train_positions=256, train_records=8, draft_vocab_size=64)
+    assert trainer_loss_shapes(settings) == [(32, cfg.hidden_size, 64), (256, cfg.hidden_size, 64),
+                                             (256, cfg.hidden_size, cfg.vocab_size)]
+    assert trainer_loss_shapes(settings.replace(draft_vocab_size=0))[0] == (32, cfg.hidden_size, cfg.vocab_size)
+    assert trainer_loss_shapes(settings.replace(model=str(tmp_path / "no-model"))) == []

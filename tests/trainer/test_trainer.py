@@ -128,6 +128,31 @@ def test_a_worse_candidate_is_not_published(home, tmp_path, deployment, tiny_dir
     assert trainer.history[-1]["candidate_tau"] < trainer.history[-1]["serving_tau"]
 
 
+def test_a_candidate_as_good_publishes_only_when_it_learned_from_new_records(home, tmp_path, deployment, tiny_dir,
+                                                                             tokenizer, monkeypatch):
+    fill_stream(home, deployment, tokenizer, n=12)
+    server = start_server(home, tmp_path)
+    try:
+        store = WeightsStore(server.store)
+        trainer = make_trainer(home, tmp_path, deployment, tiny_dir, publisher=Publisher(store, [server.url], ADMIN_TOKEN))
+        drain(trainer)
+        assert trainer.records > 0 and trainer.heldout
+        evaluated = []
+        monkeypatch.setattr(trainer, "evaluate", lambda drafter: evaluated.append(drafter) or 1.5)  # a tie
+        trainer.settings = trainer.settings.replace(publish_every_steps=0)
+        trainer._last_eval_step = -1
+        version = trainer.maybe_publish()
+        assert version is not None and trainer.serving_version == version  # as good, and learned: published
+        assert httpx.get(server.url + "/health").json()["drafter_version"] == version
+        assert len(evaluated) == 2  # candidate and serving drafter
+        trainer._last_eval_step = -1  # due again, but no record trained since: nothing new to serve
+        assert trainer.maybe_publish() is None
+        assert len(evaluated) == 3  # the serving drafter's tau on this held-out slice was kept
+        assert sorted(m.version for m in store.versions("drafter")) == sorted(["day0", version])
+    finally:
+        server.stop()
+
+
 def test_canary_rolls_back_a_drafter_that_underperforms_live(home, tmp_path, deployment, tiny_dir, tokenizer):
     server = start_server(home, tmp_path, "--redis-url", REDIS_URL)
     try:

@@ -91,7 +91,7 @@ def register(sub) -> None:
     p.add_argument("--shift", action="store_true", help="also run the domain-shift experiment")
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-adapt-<time>)")
-    add_settings(p, *COMMON, "model", "draft_vocab_size", "redis_url")
+    add_settings(p, *COMMON, "model", "draft_vocab_size", "redis_url", "publish_every_s")
     p.set_defaults(run=run)
 
 
@@ -143,7 +143,7 @@ def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: b
                             frozen_after=half))
     redis = RedisServer(settings.redis_url)
     try:
-        reports = [Run(spec, settings, redis.url, meter, out / spec.name, users, minutes).execute() for spec in runs]
+        reports = [Run(spec, settings, redis.url, meter, out / spec.name, users).execute() for spec in runs]
     finally:
         redis.stop()
     measurement = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "fixed_k": FIXED_K, "traffic_tokens": TRAFFIC_TOKENS,
@@ -201,13 +201,11 @@ class TrafficClock:
 class Run:
     """One deployment: server + trainer processes, traffic phases, a checkpoint after each."""
 
-    def __init__(self, spec: RunSpec, settings: Settings, redis_url: str, meter: Meter, out: Path, users: int,
-                 minutes: float):
+    def __init__(self, spec: RunSpec, settings: Settings, redis_url: str, meter: Meter, out: Path, users: int):
         self.spec, self.settings, self.redis_url, self.meter, self.out = spec, settings, redis_url, meter, out
         self.deployment = f"bench-adapt-{spec.name}-{secrets.token_hex(4)}"
         self.events_path = out / "trainer-events.jsonl"
         self.users = users
-        self.publish_every_s = max(5.0, min(30.0, minutes * 60 / 8))
         self.clock = TrafficClock()
         self.polls: list[tuple[float, tuple[int, int], int | None]] = []  # wall, last delivered id, lag
         self.served: list[dict] = []
@@ -256,7 +254,8 @@ class Run:
                               deployment=self.deployment).start()
         self.trainer_url = f"http://127.0.0.1:{free_port()}"
         self.children["trainer"] = spawn(["train-drafter", *common, "--server", self.url, "--objective",
-                                           self.spec.objective, "--publish-every-s", f"{self.publish_every_s:g}",
+                                           self.spec.objective,
+                                           "--publish-every-s", f"{self.settings.publish_every_s:g}",
                                            "--trainer-events", str(self.events_path),
                                            "--metrics-port", self.trainer_url.rpartition(":")[2]], env,
                                           self.out / "trainer.log")
@@ -285,7 +284,7 @@ class Run:
                 "phases": [dataclasses.asdict(p) for p in self.spec.phases],
                 "heldout": [p.id for p in self.spec.heldout], "checkpoints": checkpoints, "frozen": self.frozen,
                 "traffic": {"requests": traffic.requests, "completion_tokens": traffic.tokens,
-                            "failures": traffic.failures}, "publish_every_s": self.publish_every_s,
+                            "failures": traffic.failures}, "publish_every_s": self.settings.publish_every_s,
                 "logs": {"server": str(self.out / "server.log"), "trainer": str(self.out / "trainer.log")}}
 
     def _checkpoint(self, label: str, *, batch4: bool, traffic: Traffic | None = None, resume: bool = True) -> dict:

@@ -10,6 +10,10 @@ chunked torch twin, and the materialised reference (plain autograd on [N, V] log
 one's peak memory above its inputs: CUDA allocator peak on a GPU; on CPU the process's peak RSS
 (reset through /proc/self/clear_refs before each run). Loss and gradients are compared.
 
+The loss also runs at the drafter trainer's own shapes (`trainer_loss_shapes`: the settings' model,
+positions per optimizer step and per example, draft vocabulary and the full one), so its memory
+advantage is stated where it is used.
+
 On CPU only the twins and references run; shapes whose estimated memory passes CPU_RAM_BUDGET or
 whose estimated time (from a measured matmul rate) passes CPU_SECONDS_BUDGET are skipped, with
 the reason in the table and the JSON. On a GPU every shape runs (an out-of-memory is reported as
@@ -70,7 +74,7 @@ def run_kernel_bench(settings: Settings, quick: bool, out_dir: str | None, *,
     use_triton = device.type == "cuda" and triton_available()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     verify_shapes = verify_shapes or (QUICK_VERIFY if quick else FULL_VERIFY)
-    loss_shapes = loss_shapes or (QUICK_LOSS if quick else FULL_LOSS)
+    loss_shapes = loss_shapes or trainer_loss_shapes(settings) + (QUICK_LOSS if quick else FULL_LOSS)
     rate = _matmul_rate(device)
     verify_rows = [_verify_row(b, k, v, device, use_triton) for b, k, v in _progress(verify_shapes, "verify")]
     loss_rows = [_loss_row(n, h, v, device, use_triton, rate) for n, h, v in _progress(loss_shapes, "loss")]
@@ -121,6 +125,24 @@ def _verify_row(b: int, k: int, v: int, device: torch.device, use_triton: bool) 
 
 
 # ---- drafter loss ------------------------------------------------------------------------------
+
+def trainer_loss_shapes(settings: Settings) -> list[tuple[int, int, int]]:
+    """The (N, H, V) of the drafter trainer's loss calls: one example's share of an optimizer step's
+    positions (what one call sees) and a whole step's, over the draft vocabulary, then a step's over
+    the full vocabulary (`--draft-vocab-size 0`). [] when the model is not fetched."""
+    from specrl.assets import resolve_model
+    from specrl.errors import SpecrlError
+    from specrl.models.llama import LlamaConfig
+
+    try:
+        cfg = LlamaConfig.from_dir(resolve_model(settings.model, settings.home, fetch=False))
+    except SpecrlError:
+        return []
+    draft_vocab = settings.draft_vocab_size or cfg.vocab_size
+    per_example = max(1, settings.train_positions // settings.train_records)
+    return [(per_example, cfg.hidden_size, draft_vocab), (settings.train_positions, cfg.hidden_size, draft_vocab),
+            (settings.train_positions, cfg.hidden_size, cfg.vocab_size)]
+
 
 def loss_inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """hidden [N, H] ~ N(0, 1), head [V, H] ~ N(0, 9/H) (logits ~ N(0, 9)), target logits ~ N(0, 9),

@@ -276,10 +276,12 @@ class DrafterTrainer:
                or time.monotonic() - self._last_eval >= self.settings.publish_every_s)
         if not due or self.step == self._last_eval_step or not self.heldout:
             return None
+        started = time.monotonic()
         candidate, serving = self.evaluate(self.drafter), self.serving_tau()
         self._last_eval, self._last_eval_step = time.monotonic(), self.step  # after: evaluation time is not training time
         entry = self.events.write("evaluate", step=self.step, records=self.records, candidate_tau=candidate,
-                                  serving_tau=serving, serving_version=self.serving_version)
+                                  serving_tau=serving, serving_version=self.serving_version,
+                                  eval_s=round(self._last_eval - started, 3))
         self.history.append({**entry, "published": None})
         log.info("event=evaluate step=%d records=%d candidate_tau=%s serving_tau=%s", self.step, self.records,
                  candidate, serving)

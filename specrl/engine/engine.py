@@ -365,13 +365,17 @@ class Engine:
                           seq.spec, seq.target_version, self.drafter_version, seq.version_runs)
 
     @torch.inference_mode()
-    def calibrate(self, repeats: int = 2) -> CostModel:
+    def calibrate(self, rounds: int = 3) -> CostModel:
         """Time target forwards (B, T) for the verify widths the proposers can ask for, and drafter
-        passes, on idle slots: the cost prior."""
+        passes, on idle slots: the cost prior (logged, one line)."""
         widest = max(self.settings.max_draft_tokens if self.drafter is not None else 0,
                      self.settings.suffix_max_tokens if self.suffix is not None else 0)
         positions = sorted({t for t in CALIBRATED_POSITIONS if t <= widest + 1} | {widest + 1})
-        return CostModel.measure(self.target, self.drafter, sorted({1, self.settings.max_batch}), positions, repeats)
+        costs = CostModel.measure(self.target, self.drafter, sorted({1, self.settings.max_batch}), positions, rounds)
+        log.info("event=cost_prior target_ms=%s draft_ms=%s",
+                 ",".join(f"B{b}T{t}:{c * 1e3:.2f}" for (b, t), c in sorted(costs.target.items())),
+                 ",".join(f"B{b}:{c * 1e3:.2f}" for b, c in sorted(costs.draft.items())) or "-")
+        return costs
 
 
 def prior_accept_rate(drafter_version: str) -> float:

@@ -14,9 +14,14 @@ Cost. C(B, N, h): one target forward over the N = sum_b (1 + draft_b) real posit
 rows (the verify packs them: a row that drafts nothing costs one position, whatever the others
 draft) plus h drafter passes when the head drafts h tokens. A start-up calibration gives the prior
 for every (B, T) with N = B * T (a packed step reads as T = N / B, interpolated) and the drafter
-pass. Observed steps scale it: per batch size, an exponential moving average of observed over
-predicted seconds (the machine's speed now, pooled over every step of that size, so that the
-curve's shape stays the calibrated one: a noisy timing of one width cannot make it look free).
+pass, each point the fastest of a few rounds that visit every point in turn (a burst of load
+during start-up, another process loading a model, falls on one round, not on one point). Observed
+steps scale it: per batch size, the median of the last `window` ratios of observed over predicted
+seconds (the machine's speed now, pooled over every step of that size, so that the curve's shape
+stays the calibrated one: a noisy timing of one width cannot make it look free; a median, so
+that one step stalled by another process does not set the scale of a batch size seen rarely
+afterwards, as a moving average let it: the engine's speed-up estimate read 2.26x on rollouts
+that ran at 0.92x plain).
 
 The plan maximises expected tokens per second over the head's k and each row's draft: for each k,
 the rows whose whole suffix draft is worth less than the head's k tokens go to the head, and the
@@ -34,6 +39,8 @@ pauses, with trials that back off as probes do.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 HEAD, SUFFIX, NONE = "head", "suffix", ""
@@ -53,7 +60,7 @@ class CostModel:
     `target[(B, T)]`: one target forward over T positions for each of B sequences (interpolated
     over B and T between calibrated points); `draft[B]`: one drafter pass for B sequences;
     `scale[(B, drafting)]`: observed over predicted seconds of whole steps of B sequences, apart
-    for steps that draft and steps that do not (moving averages). A drafting step pays what the
+    for steps that draft and steps that do not (medians of the last `window`). A drafting step pays what the
     calibrated forwards leave out (proposing, assembling, packing the verify, the acceptance
     rule): measured in `bench adapt` at B=4, a pooled scale let those steps look ~20% cheaper than
     they were, and the hybrid drafted itself below plain decoding. Each kind falls back on the
@@ -62,29 +69,43 @@ class CostModel:
     target: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
     scale: dict[tuple[int, bool], float] = field(default_factory=dict)
-    smoothing: float = 0.2
+    window: int = 15
+    _ratios: dict[tuple[int, bool], deque] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def measure(cls, target, drafter, batches: list[int], positions: list[int], repeats: int = 2) -> "CostModel":
+    def measure(cls, target, drafter, batches: list[int], positions: list[int], rounds: int = 3) -> "CostModel":
         """The prior, timed: a target forward (+ logits) over each T in `positions` for each B in
-        `batches`, and one drafter pass per B (when there is a drafter), on scratch KV caches."""
+        `batches`, and one drafter pass per B (when there is a drafter), on scratch KV caches; each
+        the fastest of `rounds` rounds over all the points, after one warm-up call each."""
         import torch
 
-        costs = cls()
         cache = target.new_cache(max(batches), max(positions) + 1)
         draft_cache = drafter.new_cache(max(batches), 2) if drafter is not None else None
+        calls = {}  # ("target", B, T) | ("draft", B) -> the call to time
+        for bsz in batches:
+            slots, start = torch.arange(bsz), torch.zeros(bsz, dtype=torch.long)
+            for t in positions:
+                tokens = torch.zeros(bsz, t, dtype=torch.long)
+                calls[("target", bsz, t)] = (lambda x=tokens, s=slots, p=start:
+                                             target.logits(target(x, s, p, cache)))
+            if drafter is not None:
+                one = torch.zeros(bsz, 1, dtype=torch.long)
+                feats = torch.zeros(bsz, 1, target.cfg.hidden_size, dtype=target.dtype)
+                calls[("draft", bsz)] = (lambda f=feats, x=one, s=slots, p=start:
+                                         drafter.logits(drafter(f, x, s, p, draft_cache)))
+        best = {key: float("inf") for key in calls}
         with torch.inference_mode():
-            for bsz in batches:
-                slots, start = torch.arange(bsz), torch.zeros(bsz, dtype=torch.long)
-                for t in positions:
-                    tokens = torch.zeros(bsz, t, dtype=torch.long)
-                    costs.target[(bsz, t)] = _best_time(lambda: target.logits(target(tokens, slots, start, cache)),
-                                                        repeats)
-                if drafter is not None:
-                    one = torch.zeros(bsz, 1, dtype=torch.long)
-                    feats = torch.zeros(bsz, 1, target.cfg.hidden_size, dtype=target.dtype)
-                    costs.draft[bsz] = _best_time(lambda: drafter.logits(drafter(feats, one, slots, start, draft_cache)),
-                                                  repeats)
+            for fn in calls.values():
+                fn()  # warm-up
+            for _ in range(rounds):
+                for key, fn in calls.items():
+                    best[key] = min(best[key], _time(fn))
+        costs = cls()
+        for key, seconds in best.items():
+            if key[0] == "target":
+                costs.target[key[1:]] = seconds
+            else:
+                costs.draft[key[1]] = seconds
         return costs
 
     def step_cost(self, batch: int, width: int, head_k: int | None = None) -> float:
@@ -113,8 +134,9 @@ class CostModel:
     def observe_rows(self, batch: int, rows: int, seconds: float, head_k: int, head_rows: int | None = None) -> None:
         ratio = seconds / self._prior(batch, rows, head_k, batch if head_rows is None else head_rows)
         key = (batch, rows > batch)
-        old = self.scale.get(key)
-        self.scale[key] = ratio if old is None else old + self.smoothing * (ratio - old)
+        ratios = self._ratios.setdefault(key, deque(maxlen=self.window))
+        ratios.append(ratio)
+        self.scale[key] = statistics.median(ratios)
 
     def _interp_target(self, batch: int, t: float) -> float:
         """Linear interpolation over the calibrated batch sizes, then over positions (the curve of
@@ -134,16 +156,12 @@ class CostModel:
         return _interpolate(points, batch) if points else 0.2
 
 
-def _best_time(fn, repeats: int) -> float:
+def _time(fn) -> float:
     import time
 
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _interpolate(points: list[tuple[int, float]], x: int) -> float:

@@ -29,6 +29,7 @@ def test_bench_adapt_tiny(tmp_path, capsys):
     report = json.loads((tmp_path / "bench-adapt.json").read_text())
     assert report["model"] == "tiny-random" and report["objectives"] == ["kl"] and report["command"]
     assert report["measurement"]["fixed_k"] == FIXED_K and report["measurement"]["prompts"] == PROMPTS
+    assert set(report["machine"]) == {"start", "end"} and report["machine"]["end"]["read_gb_s"] > 0
     [run] = report["runs"]
     assert run["objective"] == "kl" and run["traffic"]["requests"] > 0 and run["traffic"]["failures"] == 0
     labels = [c["label"] for c in run["checkpoints"]]

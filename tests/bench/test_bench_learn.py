@@ -31,6 +31,8 @@ def test_bench_learn_tiny(home, tiny_dir, tmp_path, cache):
     report = json.loads((tmp_path / "bench-learn.json").read_text())
     assert (tmp_path / "bench-learn.png").read_bytes()[:8] == PNG_SIGNATURE
     assert report["model"] == "tiny-random" and report["command"] and report["eval_k"] == FIXED_K
+    for machine in report["machine"].values():  # every number comes with the CPU and its bandwidth
+        assert machine["read_gb_s"] > 0 and machine["model"] and isinstance(machine["flags"], list)
     traffic = report["traffic"]
     assert traffic["recorded"] and traffic["train_records"] > 0 and traffic["feature_bytes_per_token"] > 0
     runs = {r["source"]: r for r in report["runs"]}

@@ -46,13 +46,29 @@ def test_observed_steps_scale_the_calibrated_curve():
     assert costs.step_cost(1, 2) == pytest.approx(2 * step_cost(2))  # the first observation sets the scale
     assert costs.step_cost(1, 1) == pytest.approx(2 * step_cost(1))  # every width of B = 1 moves alike
     assert costs.step_cost(1, 0) == pytest.approx(2 * step_cost(0))  # plain steps borrow it until observed
-    costs.observe(1, 2, 1.0 * step_cost(2))  # then a drafting step at the calibrated speed
-    assert costs.step_cost(1, 2) == pytest.approx((2 + costs.smoothing * (1 - 2)) * step_cost(2))
+    costs.observe(1, 2, 1.0 * step_cost(2))  # then drafting steps at the calibrated speed
+    assert costs.step_cost(1, 2) == pytest.approx(1.5 * step_cost(2))  # the median of the ratios 2 and 1
+    costs.observe(1, 1, 1.2 * step_cost(1))
+    assert costs.step_cost(1, 2) == pytest.approx(1.2 * step_cost(2))
     costs.observe(1, 0, 1.5 * step_cost(0))  # plain steps keep a scale of their own
     assert costs.step_cost(1, 0) == pytest.approx(1.5 * step_cost(0))
-    assert costs.step_cost(1, 1) == pytest.approx(1.8 * step_cost(1))
+    assert costs.step_cost(1, 1) == pytest.approx(1.2 * step_cost(1))
     assert costs.step_cost(2, 2) == pytest.approx(2 * step_cost(2))  # other batch sizes keep their prior
     assert costs.step_cost(1, 3) > costs.step_cost(1, 2) > costs.step_cost(1, 1)  # the calibrated shape
+
+
+def test_one_stalled_step_does_not_set_the_scale():
+    """Another process stalls one plain step 20x: the scale of that batch size keeps the steps'
+    typical speed (a moving average kept ~4x for the next several steps), and a change in the
+    machine's speed that lasts moves it within half a window."""
+    costs = facts_costs()
+    for _ in range(6):
+        costs.observe(1, 0, step_cost(0))
+    costs.observe(1, 0, 20 * step_cost(0))
+    assert costs.step_cost(1, 0) == pytest.approx(step_cost(0))
+    for _ in range(costs.window // 2 + 1):
+        costs.observe(1, 0, 2 * step_cost(0))  # the machine is twice as slow now
+    assert costs.step_cost(1, 0) == pytest.approx(2 * step_cost(0))
 
 
 def test_step_cost_interpolates_over_batch():

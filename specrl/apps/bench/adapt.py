@@ -66,6 +66,7 @@ import torch
 
 from specrl.apps.bench import adapt_report
 from specrl.apps.bench.adapt_meter import FIXED_K, NEW_TOKENS, Meter
+from specrl.apps.bench.backends import machine_record
 from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.apps.traffic import Traffic
 from specrl.config import Settings
@@ -141,18 +142,20 @@ def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: b
         phases = [Phase({SHIFT[0]: 1}, minutes * 30 / half)] * half + [Phase({SHIFT[1]: 1}, minutes * 30 / half)] * half
         runs.append(RunSpec(f"shift-{objectives[0]}", objectives[0], phases, _heldout({SHIFT[1]: 1}, settings.seed),
                             frozen_after=half))
+    machine = {"start": machine_record()}
     redis = RedisServer(settings.redis_url)
     try:
         reports = [Run(spec, settings, redis.url, meter, out / spec.name, users).execute() for spec in runs]
     finally:
         redis.stop()
+    machine["end"] = machine_record()
     measurement = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "fixed_k": FIXED_K, "traffic_tokens": TRAFFIC_TOKENS,
                    "measure_every_min": MEASURE_EVERY_MIN, "mix": MIX, "shift_domains": SHIFT,
                    "mean_acceptance_length": "1 + accepted / drafting steps (specrl.spec.quantities)",
                    "interference": "traffic drained and the trainer SIGSTOPped during every measurement; "
                                    "times are on the traffic clock (pauses excluded)"}
     return adapt_report.build_result(settings, minutes, objectives, shift, users, reports, bool(settings.redis_url),
-                                     measurement, CHILD_THREADS)
+                                     measurement, CHILD_THREADS, machine)
 
 
 def _progress(message: str) -> None:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from specrl.apps.bench.backends import settings_record
+from specrl.apps.bench.backends import machine_line, settings_record
 from specrl.config import Settings
 from specrl.telemetry.event_log import read_events
 
@@ -75,7 +75,7 @@ def lag(arrivals: list[tuple[int, int]], polls: list, publishes: list[float], cl
 
 # ---- report -----------------------------------------------------------------------------------
 def build_result(settings: Settings, minutes: float, objectives: list[str], shift: bool, users: int, runs: list[dict],
-                 redis_external: bool, measurement: dict, child_threads: int) -> dict:
+                 redis_external: bool, measurement: dict, child_threads: int, machine: dict) -> dict:
     """The whole report: environment, settings, the measurement plan, per-run summary and raw runs."""
     import transformers
 
@@ -106,7 +106,7 @@ def build_result(settings: Settings, minutes: float, objectives: list[str], shif
     return {
         "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-        "child_threads": child_threads, "model": settings.model,
+        "child_threads": child_threads, "model": settings.model, "machine": machine,
         "settings": settings_record(settings),
         "minutes": minutes, "objectives": objectives, "shift": shift, "users": users,
         "redis": "REDIS_URL" if redis_external else "embedded valkey",
@@ -124,6 +124,8 @@ def fmt(x) -> str:
 
 def print_table(result: dict) -> None:
     shifted_to = result["measurement"]["shift_domains"][1]
+    for when, machine in result["machine"].items():
+        print(f"machine ({when}): {machine_line(machine)}")
     print(f"{'run':<12} {'point':<8} {'min':>5} {'tokens':>7} {'trained':>7} {'drafter':>7} {'(recs)':>6} {'acc.k4':>6} "
           f"{'spec':>6} {'plain':>6} {'B1 x':>5} {'med x':>5} {'B4 x':>5}")
     for run in result["runs"]:

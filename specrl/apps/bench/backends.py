@@ -71,6 +71,42 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def read_bandwidth_gb_s(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s: best of `repeats` `t.sum()` over an nbytes float32 tensor."""
+    import time
+
+    import torch
+
+    t = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        t.sum()
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+def cpu_record() -> dict:
+    """The CPU's model and the flags that decide its kernels (calibration.KEY_FLAGS)."""
+    from specrl.models.calibration import KEY_FLAGS, cpu_info
+
+    model, flags = cpu_info()
+    return {"model": model, "flags": sorted(flags & set(KEY_FLAGS))}
+
+
+def machine_record() -> dict:
+    """What every benchmark number is reported with: the CPU, its flags, torch's threads and the
+    read bandwidth measured now."""
+    import torch
+
+    return {**cpu_record(), "threads": torch.get_num_threads(), "read_gb_s": round(read_bandwidth_gb_s(), 1)}
+
+
+def machine_line(machine: dict) -> str:
+    return (f"cpu {machine['model']}, flags {','.join(machine['flags'])}, {machine['threads']} threads, "
+            f"read {machine['read_gb_s']} GB/s")
+
+
 def settings_record(settings) -> dict:
     """Settings as JSON-ready values (paths as strings), for reports and child processes."""
     import dataclasses

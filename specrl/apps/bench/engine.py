@@ -46,14 +46,14 @@ from typing import Callable
 
 import torch
 
-from specrl.apps.bench.backends import (NATIVE, VLLM, add_backends_flag, bench_threads, parse_backends, ratio,
-                                        settings_record, vllm_version)
+from specrl.apps.bench.backends import (NATIVE, VLLM, add_backends_flag, bench_threads, cpu_record, parse_backends,
+                                        ratio, read_bandwidth_gb_s, settings_record, vllm_version)
 from specrl.apps.bench.forward_curve import forward_cost_curve, plot_forward_curve
 from specrl.apps.bench.vllm_engine import DTYPE_SUFFIX, VLLM_PLAIN, VLLM_SPEC, vllm_rows
 from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
-from specrl.models.calibration import KEY_FLAGS, NATIVE_BF16_FLAGS, STREAM_FLAGS, cpu_info
+from specrl.models.calibration import NATIVE_BF16_FLAGS, STREAM_FLAGS, cpu_info
 from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
 
@@ -78,7 +78,6 @@ RATIOS = (
     ("ttft_vllm_plain_over_native_plain", "ttft_ms", VLLM_PLAIN, NATIVE_PLAIN),
     ("ttft_vllm_spec_over_native_spec", "ttft_ms", VLLM_SPEC, NATIVE_SPEC),
 )
-BANDWIDTH_BYTES = 1 << 30
 
 PROMPTS = [
     "What is the capital of France?",
@@ -327,17 +326,6 @@ def _hf_run(model, prompts: list[list[int]], config, pad: int) -> dict:
     return {"tokens": (out.shape[1] - width) * len(prompts), "ttft_ms": None}
 
 
-def read_bandwidth_gb_s(nbytes: int = BANDWIDTH_BYTES, repeats: int = 3) -> float:
-    """Memory read bandwidth in GB/s: best of `repeats` `t.sum()` over an nbytes float32 tensor."""
-    t = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        t.sum()
-        best = min(best, time.perf_counter() - started)
-    return nbytes / best / 1e9
-
-
 def _bandwidth_report(gb_s: float, weight_bytes: dict[str, int], rows: list[dict]) -> dict:
     """The B=1 bound per dtype (its weights read once per token at `gb_s`) and each B=1 row's share
     of its dtype's bound (vLLM's too)."""
@@ -387,7 +375,7 @@ def _result(settings: Settings, model_dir: Path, batch_sizes: list[int], new_tok
     version = vllm_version()
     return {
         "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "cpu": {"model": cpu_info()[0], "flags": sorted(cpu_info()[1] & set(KEY_FLAGS))},
+        "cpu": cpu_record(),
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "model": settings.model, "model_dir": str(model_dir), "settings": settings_record(settings),
         "backends": list(backends), "batch_sizes": batch_sizes, "new_tokens": new_tokens, "rows": rows,

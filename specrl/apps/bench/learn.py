@@ -38,6 +38,7 @@ from pathlib import Path
 import msgpack
 import torch
 
+from specrl.apps.bench.backends import machine_line
 from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
@@ -78,7 +79,7 @@ def _names(text: str) -> list[str]:
 def run_learn_bench(settings: Settings, *, minutes: float, objectives: list[str], sources: list[str], prompts: int,
                     heldout: int, max_tokens: int, eval_every_s: float, out_dir: str | None) -> dict:
     """Record (or load) the traffic, train every objective x source, print a table, write JSON + PNG."""
-    from specrl.apps.bench.backends import settings_record
+    from specrl.apps.bench.backends import machine_record, settings_record
     from specrl.assets import resolve_model
     from specrl.trainer.objectives import OBJECTIVES
 
@@ -90,11 +91,13 @@ def run_learn_bench(settings: Settings, *, minutes: float, objectives: list[str]
     out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-learn-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(settings.model, settings.home)
+    machine = {"start": machine_record()}
     traffic = record_traffic(settings, model_dir, prompts, heldout, max_tokens)
     runs = [train_run(settings, model_dir, traffic, objective, source, minutes, eval_every_s)
             for objective in objectives for source in sources]
+    machine["end"] = machine_record()
     result = {"command": sys.argv, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "model": settings.model,
+              "threads": torch.get_num_threads(), "model": settings.model, "machine": machine,
               "settings": settings_record(settings),
               "minutes": minutes, "eval_every_s": eval_every_s, "eval_k": FIXED_K,
               "traffic": {k: v for k, v in traffic.items() if k not in ("train", "heldout")},
@@ -299,6 +302,8 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def print_table(result: dict) -> None:
+    for when, machine in result["machine"].items():
+        print(f"machine ({when}): {machine_line(machine)}")
     print(f"{'run':<20} {'acc.k4 start':>12} {'end':>6} {'tokens':>8} {'CPU s':>7} {'tok/CPU s':>9}")
     for name, s in result["summary"].items():
         if isinstance(s, dict):

@@ -61,6 +61,9 @@ log = logging.getLogger("specrl.trainer")
 STALE_WEIGHT = 0.25
 QUEUE_BATCHES = 4  # the train queue holds this many optimizer steps of examples
 GAP_WAIT_MS = 30_000  # an example whose first positions' features are still missing waits this long for them
+# Evaluating is not training: the held-out check of a SmolLM2 drafter grows to ~6 s on 2 cores as the
+# slice fills (32 requests), so the next one waits at least this many times as long as the last took.
+EVAL_SPACING = 2.0  # -> at most a third of the trainer's time goes to evaluation
 
 
 class DrafterTrainer:
@@ -101,6 +104,7 @@ class DrafterTrainer:
         self.history: list[dict] = []  # evaluations and publishes, for reports
         self._last_eval = time.monotonic()
         self._last_eval_step = 0
+        self._eval_s = 0.0  # how long the last evaluation took
         self._published_records = 0  # self.records when the serving drafter was published
         self._heldout_added = 0  # examples ever held out: the slice's identity
         self._serving_tau: tuple[int, float | None] | None = None  # (slice, the serving drafter's tau on it)
@@ -274,14 +278,16 @@ class DrafterTrainer:
     def maybe_publish(self) -> str | None:
         due = (self.step - self._last_eval_step >= self.settings.publish_every_steps
                or time.monotonic() - self._last_eval >= self.settings.publish_every_s)
-        if not due or self.step == self._last_eval_step or not self.heldout:
+        if (not due or self.step == self._last_eval_step or not self.heldout
+                or time.monotonic() - self._last_eval < EVAL_SPACING * self._eval_s):
             return None
         started = time.monotonic()
         candidate, serving = self.evaluate(self.drafter), self.serving_tau()
         self._last_eval, self._last_eval_step = time.monotonic(), self.step  # after: evaluation time is not training time
+        self._eval_s = self._last_eval - started
         entry = self.events.write("evaluate", step=self.step, records=self.records, candidate_tau=candidate,
                                   serving_tau=serving, serving_version=self.serving_version,
-                                  eval_s=round(self._last_eval - started, 3))
+                                  eval_s=round(self._eval_s, 3))
         self.history.append({**entry, "published": None})
         log.info("event=evaluate step=%d records=%d candidate_tau=%s serving_tau=%s", self.step, self.records,
                  candidate, serving)

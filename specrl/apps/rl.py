@@ -43,8 +43,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 from specrl.apps.flags import COMMON, add_settings, settings_from
-from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
+from specrl.apps.launch import free_port, shared_threads, spawn, terminate, wait_healthy
 from specrl.apps.redis_server import RedisServer
 from specrl.apps.rl_report import acceptance_recovery, recovery_summary, write_report
 from specrl.apps.scrape import rates, sample_metrics
@@ -125,8 +127,11 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
     redis = RedisServer(settings.redis_url)
     token, url = settings.admin_token or secrets.token_hex(16), f"http://{settings.host}:{settings.port}"
     env_vars = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
+    # The server, the drafter trainer and GRPO (this process) compute at once: the cores split three ways.
+    threads = shared_threads(settings.threads, 3)
+    torch.set_num_threads(threads)
     common = ["--model", settings.model, "--redis-url", redis.url, "--deployment", settings.deployment,
-              "--store", str(settings.store_path)]
+              "--store", str(settings.store_path), "--threads", str(threads)]
     children, stop, pause, failed, pool = [], threading.Event(), _Pause(), [], None
     report = {"command": sys.argv, "env": env_name, "model": settings.model, "max_tokens": max_tokens,
               "heldout_tasks": len(heldout), "steps": [], "evals": [], "samples": [], "publishes": []}

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
-from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
+from specrl.apps.launch import free_port, shared_threads, spawn, terminate, wait_healthy
 from specrl.apps.redis_server import RedisServer
 from specrl.apps.scrape import rates, sample_metrics, sample_trainer, yield_of
 from specrl.apps.traffic import Traffic
@@ -58,7 +58,7 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
     url = f"http://{settings.host}:{settings.port}"
     env = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
     common = ["--model", settings.model, "--redis-url", redis.url, "--deployment", settings.deployment,
-              "--store", str(settings.store_path)]
+              "--store", str(settings.store_path), "--threads", str(shared_threads(settings.threads, 2))]
     children: list[subprocess.Popen] = []
     stop = threading.Event()
     samples: list[dict] = []
@@ -67,7 +67,7 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
                                env, run_dir / "server.log"))
         wait_healthy(url, children[0], run_dir / "server.log")
         trainer_url = f"http://127.0.0.1:{free_port()}"
-        children.append(spawn(["train-drafter", *common, "--server", url, "--publish-every-s", "30",
+        children.append(spawn(["train-drafter", *common, "--server", url,
                                "--metrics-port", trainer_url.rpartition(":")[2]], env, run_dir / "trainer.log"))
         print(f"specrl up: serving {settings.model} at {url}  (logs: {run_dir})", file=sys.stderr)
         mix = PromptMix({"chat": 1, "code": 1, "math": 1, "structured": 1}, split="train", seed=0)

@@ -148,6 +148,8 @@ def test_a_candidate_as_good_publishes_only_when_it_learned_from_new_records(hom
         trainer._last_eval_step = -1  # due again, but no record trained since: nothing new to serve
         assert trainer.maybe_publish() is None
         assert len(evaluated) == 3  # the serving drafter's tau on this held-out slice was kept
+        trainer._last_eval_step, trainer._eval_s = -1, 1e6  # the last evaluation took "long": training first
+        assert trainer.maybe_publish() is None and len(evaluated) == 3
         assert sorted(m.version for m in store.versions("drafter")) == sorted(["day0", version])
     finally:
         server.stop()

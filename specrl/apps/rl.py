@@ -128,7 +128,7 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
     token, url = settings.admin_token or secrets.token_hex(16), f"http://{settings.host}:{settings.port}"
     env_vars = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
     # The server, the drafter trainer and GRPO (this process) compute at once: the cores split three ways.
-    threads = shared_threads(settings.threads, 3)
+    threads, caller_threads = shared_threads(settings.threads, 3), torch.get_num_threads()
     torch.set_num_threads(threads)
     common = ["--model", settings.model, "--redis-url", redis.url, "--deployment", settings.deployment,
               "--store", str(settings.store_path), "--threads", str(threads)]
@@ -192,6 +192,7 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         for child in reversed(children):
             terminate(child)
         redis.stop()
+        torch.set_num_threads(caller_threads)
     report["drafter_evaluations"] = drafter_evaluations(run_dir / "drafter-events.jsonl", started_wall)
     report["recovery"] = recovery_summary(acceptance_recovery(report["samples"], window_tokens=window_tokens),
                                           window_tokens=window_tokens)

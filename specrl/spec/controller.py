@@ -40,6 +40,7 @@ pauses, with trials that back off as probes do.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -81,31 +82,25 @@ class CostModel:
 
         cache = target.new_cache(max(batches), max(positions) + 1)
         draft_cache = drafter.new_cache(max(batches), 2) if drafter is not None else None
-        calls = {}  # ("target", B, T) | ("draft", B) -> the call to time
+        costs = cls()
+        timings = []  # (the table, its key, the call to time)
         for bsz in batches:
             slots, start = torch.arange(bsz), torch.zeros(bsz, dtype=torch.long)
             for t in positions:
                 tokens = torch.zeros(bsz, t, dtype=torch.long)
-                calls[("target", bsz, t)] = (lambda x=tokens, s=slots, p=start:
-                                             target.logits(target(x, s, p, cache)))
+                timings.append((costs.target, (bsz, t), lambda x=tokens, s=slots, p=start:
+                                target.logits(target(x, s, p, cache))))
             if drafter is not None:
                 one = torch.zeros(bsz, 1, dtype=torch.long)
                 feats = torch.zeros(bsz, 1, target.cfg.hidden_size, dtype=target.dtype)
-                calls[("draft", bsz)] = (lambda f=feats, x=one, s=slots, p=start:
-                                         drafter.logits(drafter(f, x, s, p, draft_cache)))
-        best = {key: float("inf") for key in calls}
+                timings.append((costs.draft, bsz, lambda f=feats, x=one, s=slots, p=start:
+                                drafter.logits(drafter(f, x, s, p, draft_cache))))
         with torch.inference_mode():
-            for fn in calls.values():
+            for _, _, fn in timings:
                 fn()  # warm-up
             for _ in range(rounds):
-                for key, fn in calls.items():
-                    best[key] = min(best[key], _time(fn))
-        costs = cls()
-        for key, seconds in best.items():
-            if key[0] == "target":
-                costs.target[key[1:]] = seconds
-            else:
-                costs.draft[key[1]] = seconds
+                for table, key, fn in timings:
+                    table[key] = min(table.get(key, float("inf")), _time(fn))
         return costs
 
     def step_cost(self, batch: int, width: int, head_k: int | None = None) -> float:
@@ -157,8 +152,6 @@ class CostModel:
 
 
 def _time(fn) -> float:
-    import time
-
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0

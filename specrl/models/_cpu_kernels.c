@@ -11,10 +11,11 @@
  * multiplies each by MR broadcast x values. The weight group is read from memory by its first MR
  * rows and from L2 by any further ones, so a verify over 5 positions streams the same bytes as
  * one position; there are no horizontal sums. Weights are float32 or float16 (converted in
- * registers: half the bytes streamed; products and sums in float32); x and out are float32.
+ * registers: half the bytes streamed; products and sums in float32), or bfloat16 in pairs of inputs
+ * (below: AMX tiles or AVX512-BF16 dot products on x rounded to bf16); x and out are float32.
  *
  * Paths, chosen at run time from the CPU: AVX-512F (16 lanes, 6 rows x 4 vectors), AVX2 + FMA +
- * F16C (8 lanes, 6 rows x 2 vectors), and portable C. Threads: OpenMP over groups of outputs,
+ * F16C (8 lanes, 6 rows x 2 vectors), and portable C; for bfloat16, AMX, AVX512-BF16 or C. Threads: OpenMP over groups of outputs,
  * with the count the caller passes (torch's), in the runtime torch already loaded (libgomp.so.1 by
  * soname: one thread pool). The GIL is released while it runs. The caller (linear.py) checks
  * shapes, dtypes and contiguity; this file trusts its arguments.
@@ -43,6 +44,13 @@
 #include <math.h>
 #include <omp.h>
 #include <string.h>
+#include <stdlib.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for an extended state component (AMX tiles) */
+#define XFEATURE_XTILEDATA 18
 
 #define BLOCK 16 /* outputs per column block (the layout), whatever the vector width */
 /* Each column block the tile streams is prefetched PF_AHEAD inputs ahead (2 KB of float16): on the
@@ -50,7 +58,12 @@
  * forward at 1 row and 19.6 against 22.5 at 5 (median of 8, side by side; 128 and 256 ahead no better). */
 #define PF_AHEAD 64
 
-enum { W_F32 = 0, W_F16 = 1 };
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
+/* gemm's path: the best the CPU has; portable C; bfloat16 on AVX512-BF16 even where AMX is there
+ * (the last two for tests). One path for every row count: AMX and AVX512-BF16 sum in different
+ * orders (7e-7 apart on [3072, 576]), and a verify must compute each row as a decode step does,
+ * bit for bit, or greedy speculation could pick another token than plain decoding. */
+enum { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_NO_AMX = 2 };
 
 /* ---- portable C ------------------------------------------------------------------------- */
 
@@ -162,6 +175,183 @@ static const tile_fn avx512_tiles[] = {NULL, tile_avx512_1, tile_avx512_2, tile_
                                        tile_avx512_5, tile_avx512_6};
 BLOCKS(avx512, AVX512, 16, 4, 6, avx512_tiles)
 
+/* ---- bfloat16 weights --------------------------------------------------------------------- */
+
+/* bfloat16 weights are kept in pairs of inputs, [N / 16, K / 2, 16, 2] (block b, pair p, lane j, e) =
+ * W[16 b + j, 2 p + e]: each 64-byte row of a block is 16 outputs x 2 inputs, which is both what
+ * one AVX512-BF16 dot-product instruction takes and the row of an AMX B tile (16 such rows = 32
+ * inputs). x is rounded to bfloat16 once per call (round to nearest even), then the products of
+ * two bf16 values are exact in float32 and summed there. Paths: AMX (tiles of 16 rows x 64
+ * outputs, K a multiple of 32), AVX512-BF16 (6 rows x 4 vectors, as the float32 tile), portable C. */
+
+static int has_avx512_bf16 = 0, has_amx = 0; /* has_amx: the CPU has AMX-BF16 and Linux let us use it */
+
+static uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+static float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void blocks_bf16_portable(const uint16_t *xb, const uint16_t *w, float *out, int64_t M, int64_t K, int64_t N,
+                                 int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc[BLOCK] = {0};
+            for (int64_t k = 0; k < K; k++) {
+                const float xv = bf16_to_float(xb[m * K + k]);
+                const uint16_t *row = w + ((size_t)b * K + (k & ~(int64_t)1)) * BLOCK + (k & 1);
+                for (int j = 0; j < BLOCK; j++) acc[j] += xv * bf16_to_float(row[2 * j]);
+            }
+            memcpy(out + m * N + b * BLOCK, acc, sizeof acc);
+        }
+}
+
+/* AVX512-BF16: MRV rows x 4 blocks; per input pair, 4 weight rows (64 bytes each) and one 32-bit
+ * broadcast of the row's two x values per row. */
+#define BF16_TILE(MRV)                                                                                         \
+    __attribute__((target("avx512f,avx512bf16"))) static void tile_bf16_##MRV(                                 \
+        const uint16_t *xb, const uint16_t *w, float *out, int64_t K, int64_t N, int64_t m0, int64_t b0) {     \
+        __m512 acc[MRV][4];                                                                                    \
+        for (int i = 0; i < MRV; i++)                                                                          \
+            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();                                      \
+        const uint16_t *wb = w + (size_t)b0 * K * BLOCK;                                                       \
+        for (int64_t p = 0; p < K / 2; p++) {                                                                  \
+            __m512i wv[4];                                                                                     \
+            for (int v = 0; v < 4; v++) {                                                                      \
+                const uint16_t *row = wb + ((size_t)v * K / 2 + p) * 2 * BLOCK;                                \
+                _mm_prefetch((const char *)(row + PF_AHEAD * BLOCK), _MM_HINT_T0);                             \
+                wv[v] = _mm512_loadu_si512((const void *)row);                                                 \
+            }                                                                                                  \
+            for (int i = 0; i < MRV; i++) {                                                                    \
+                uint32_t pair;                                                                                 \
+                memcpy(&pair, xb + (m0 + i) * K + 2 * p, 4);                                                   \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);                                    \
+                for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xv, (__m512bh)wv[v]);     \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int i = 0; i < MRV; i++)                                                                          \
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + (m0 + i) * N + (b0 + v) * BLOCK, acc[i][v]);  \
+    }
+BF16_TILE(1) BF16_TILE(2) BF16_TILE(3) BF16_TILE(4) BF16_TILE(5) BF16_TILE(6)
+typedef void (*bf16_tile_fn)(const uint16_t *, const uint16_t *, float *, int64_t, int64_t, int64_t, int64_t);
+static const bf16_tile_fn bf16_tiles[] = {NULL, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5,
+                                          tile_bf16_6};
+
+__attribute__((target("avx512f,avx512bf16"))) static void blocks_bf16_avx512(
+    const uint16_t *xb, const uint16_t *w, float *out, int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b += 4) {
+        int64_t m = 0;
+        for (; m + 6 <= M; m += 6) tile_bf16_6(xb, w, out, K, N, m, b);
+        if (m < M) bf16_tiles[M - m](xb, w, out, K, N, m, b);
+    }
+}
+
+/* AMX: tiles 0-3 accumulate 16 rows x 4 blocks (float32), tile 4 holds 16 rows x 32 inputs of x,
+ * tiles 5-7 a block's 32 inputs (16 pairs x 16 outputs: 1 KB of the block's stream). xb has its
+ * rows padded to a multiple of 16 with zeros; a last partial row group is stored through `part`.
+ * The rows of a group share each weight tile: a verify over 16 positions streams what one does. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_configure(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so it may drop the other stores */
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+__attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
+
+#define AMX_STORE(T, J)                                                                                        \
+    if (full) _tile_stored(T, out + m0 * N + (b + J) * BLOCK, N * 4);                                          \
+    else _tile_stored(T, part[J], BLOCK * 4);
+
+__attribute__((target("amx-tile,amx-bf16"))) static void blocks_bf16_amx(
+    const uint16_t *xb, const uint16_t *w, float *out, int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
+    float part[4][16][BLOCK];
+    const size_t stride = (size_t)K * BLOCK; /* one block's stream, in bf16 values */
+    for (int64_t b = b0; b < b1; b += 4) {
+        const uint16_t *wb = w + (size_t)b * stride;
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            const int full = M - m0 >= 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < K; k += 32) {
+                const uint16_t *wk = wb + (size_t)k * BLOCK;
+                _tile_loadd(4, xb + m0 * K + k, K * 2);
+                _tile_loadd(5, wk, 64);
+                _tile_loadd(6, wk + stride, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(7, wk + 2 * stride, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, wk + 3 * stride, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            AMX_STORE(0, 0) AMX_STORE(1, 1) AMX_STORE(2, 2) AMX_STORE(3, 3)
+            if (!full)
+                for (int64_t r = 0; r < M - m0; r++)
+                    for (int j = 0; j < 4; j++) memcpy(out + (m0 + r) * N + (b + j) * BLOCK, part[j][r], BLOCK * 4);
+        }
+    }
+}
+
+/* x [M, K] float32 -> bfloat16 [rows, K], rows >= M (the rest zero). */
+__attribute__((target("avx512f,avx512bf16"))) static void round_rows_avx512(const float *x, uint16_t *xb, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    for (; i < n; i++) xb[i] = float_to_bf16(x[i]);
+}
+
+static uint16_t *round_rows(const float *x, int64_t M, int64_t K, int64_t rows, int path) {
+    uint16_t *xb = aligned_alloc(64, ((size_t)rows * K * 2 + 63) / 64 * 64);
+    if (xb == NULL) return NULL;
+    if (has_avx512_bf16 && path != PATH_PORTABLE) round_rows_avx512(x, xb, M * K);
+    else
+        for (int64_t i = 0; i < M * K; i++) xb[i] = float_to_bf16(x[i]);
+    memset(xb + M * K, 0, (size_t)(rows - M) * K * 2);
+    return xb;
+}
+
+/* bfloat16 weights: 0 on success, -1 when the rounded x could not be allocated. */
+static int gemm_bf16(const float *x, const uint16_t *w, float *out, int64_t M, int64_t K, int64_t N, int threads,
+                     int path) {
+    const int64_t blocks = N / BLOCK;
+    const int amx = has_amx && path == PATH_BEST && K % 32 == 0 && blocks % 4 == 0;
+    const int vec = !amx && has_avx512_bf16 && path != PATH_PORTABLE && blocks % 4 == 0;
+    uint16_t *xb = round_rows(x, M, K, amx ? (M + 15) / 16 * 16 : M, path);
+    if (xb == NULL) return -1;
+    const int64_t group = amx || vec ? 4 : 1, groups = blocks / group;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        if (amx) amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (amx) blocks_bf16_amx(xb, w, out, M, K, N, g * group, (g + 1) * group);
+            else if (vec) blocks_bf16_avx512(xb, w, out, M, K, N, g * group, (g + 1) * group);
+            else blocks_bf16_portable(xb, w, out, M, K, N, g * group, (g + 1) * group);
+        }
+        if (amx) amx_release();
+    }
+    free(xb);
+    return 0;
+}
+
 /* ---- dispatch --------------------------------------------------------------------------- */
 
 typedef void (*blocks_fn)(const float *, const void *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int);
@@ -178,31 +368,38 @@ static blocks_fn pick(int64_t N, const char **name, int64_t *group) {
     return blocks_portable;
 }
 
-static void gemm(const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N, int kind, int threads,
-                 int portable) {
+/* 0 on success, -1 when memory ran out (bfloat16 weights round x into a buffer first). */
+static int gemm(const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N, int kind, int threads,
+                int path) {
+    if (kind == W_BF16) return gemm_bf16(x, (const uint16_t *)w, out, M, K, N, threads, path);
     const char *name;
     int64_t group;
     blocks_fn run = pick(N, &name, &group);
-    if (portable) run = blocks_portable, group = 1;
+    if (path == PATH_PORTABLE) run = blocks_portable, group = 1;
     int64_t groups = N / BLOCK / group;
     /* chunks of whole groups, a few per thread: static, so each thread streams one contiguous range */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t g = 0; g < groups; g++) run(x, w, out, M, K, N, g * group, (g + 1) * group, kind);
+    return 0;
 }
 
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
     unsigned long long x, w, out;
     long long M, K, N;
-    int kind, threads, portable = 0;
-    if (!PyArg_ParseTuple(args, "KKKLLLii|p", &out, &x, &w, &M, &K, &N, &kind, &threads, &portable)) return NULL;
-    if (M < 0 || K < 1 || N < 0 || N % BLOCK || (kind != W_F32 && kind != W_F16) || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "gemm: N must be a multiple of 16, K >= 1, kind 0 or 1, threads >= 1");
+    int kind, threads, path = PATH_BEST;
+    if (!PyArg_ParseTuple(args, "KKKLLLii|i", &out, &x, &w, &M, &K, &N, &kind, &threads, &path)) return NULL;
+    if (M < 0 || K < 1 || N < 0 || N % BLOCK || kind < W_F32 || kind > W_BF16 || (kind == W_BF16 && K % 2) ||
+        threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "gemm: N must be a multiple of 16, K >= 1 (even for bfloat16), kind 0, 1 "
+                                          "or 2, threads >= 1");
         return NULL;
     }
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    gemm((const float *)(uintptr_t)x, (const void *)(uintptr_t)w, (float *)(uintptr_t)out, M, K, N, kind, threads,
-         portable);
+    status = gemm((const float *)(uintptr_t)x, (const void *)(uintptr_t)w, (float *)(uintptr_t)out, M, K, N, kind,
+                  threads, path);
     Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -605,7 +802,7 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
                           &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads))
         return NULL;
     if (!attend_shape_ok(N, T, nh, kvh, d, max_len, threads) || H % BLOCK || Wq % BLOCK || (2 * I) % BLOCK ||
-        Wq != (nh + 2 * kvh) * d || (kind != W_F32 && kind != W_F16)) {
+        Wq != (nh + 2 * kvh) * d || kind < W_F32 || kind > W_BF16 || (kind == W_BF16 && (H % 2 || I % 2 || d % 2))) {
         PyErr_SetString(PyExc_ValueError, "layer: shapes the stream kernel and attend cannot take");
         return NULL;
     }
@@ -620,25 +817,33 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
     int64_t sequences, *first = sequence_starts(a.flat, N, T, &sequences);
     if (first == NULL) return NULL;
     a.first = first;
+    int status = 0;
     Py_BEGIN_ALLOW_THREADS
     rms_norm(xin, (const float *)(uintptr_t)norm_in, h, N, H, eps);
-    gemm(h, (const void *)(uintptr_t)w_qkv, qkv, N, H, Wq, kind, threads, 0);
+    status |= gemm(h, (const void *)(uintptr_t)w_qkv, qkv, N, H, Wq, kind, threads, PATH_BEST);
     attend(&a, sequences, threads, 0);
-    gemm(att, (const void *)(uintptr_t)w_o, o, N, nh * d, H, kind, threads, 0);
+    status |= gemm(att, (const void *)(uintptr_t)w_o, o, N, nh * d, H, kind, threads, PATH_BEST);
     for (int64_t i = 0; i < N * H; i++) x1[i] = xin[i] + o[i];
     rms_norm(x1, (const float *)(uintptr_t)norm_post, h2, N, H, eps);
-    gemm(h2, (const void *)(uintptr_t)w_gu, gu, N, H, 2 * I, kind, threads, 0);
+    status |= gemm(h2, (const void *)(uintptr_t)w_gu, gu, N, H, 2 * I, kind, threads, PATH_BEST);
     silu_mul(gu, act, N, I, 0);
-    gemm(act, (const void *)(uintptr_t)w_down, dn, N, I, H, kind, threads, 0);
+    status |= gemm(act, (const void *)(uintptr_t)w_down, dn, N, I, H, kind, threads, PATH_BEST);
     for (int64_t i = 0; i < N * H; i++) y[i] = x1[i] + dn[i];
     Py_END_ALLOW_THREADS
     PyMem_Free(first);
+    if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
 static PyObject *py_path(PyObject *self, PyObject *args) {
-    long long N;
-    if (!PyArg_ParseTuple(args, "L", &N)) return NULL;
+    long long N, K = 32;
+    int kind = W_F32;
+    if (!PyArg_ParseTuple(args, "L|iL", &N, &kind, &K)) return NULL;
+    if (kind == W_BF16) {
+        const int fours = (N / BLOCK) % 4 == 0;
+        return PyUnicode_FromString(has_amx && fours && K % 32 == 0 ? "amx" : has_avx512_bf16 && fours ? "avx512_bf16"
+                                                                                                          : "portable");
+    }
     const char *name;
     int64_t group;
     pick(N, &name, &group);
@@ -653,9 +858,10 @@ static PyObject *py_release_threads(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS,
-     "gemm(out_ptr, x_ptr, w_ptr, M, K, N, kind, threads, portable=False): out[M,N] = x[M,K] @ W^T, W blocked "
-     "[N/16, K, 16] (kind 0: float32, 1: float16; portable: the C path whatever the CPU has, for tests)"},
-    {"path", py_path, METH_VARARGS, "path(N) -> the instruction set used for N outputs"},
+     "gemm(out_ptr, x_ptr, w_ptr, M, K, N, kind, threads, path=0): out[M,N] = x[M,K] @ W^T, W blocked "
+     "[N/16, K, 16] (kind 0: float32, 1: float16) or [N/16, K/2, 16, 2] (kind 2: bfloat16); path: 0 the best the CPU has, 1 "
+     "portable C (tests), 2 bfloat16 without AMX"},
+    {"path", py_path, METH_VARARGS, "path(N, kind=0, K=32) -> the instruction set used for N outputs (of K inputs)"},
     {"attend", py_attend, METH_VARARGS,
      "attend(out, qkv, k_cache, v_cache, cos, sin, slots, positions, flat, N, T, NH, KVH, D, MAX, threads, "
      "portable=False): rotary embedding, cache write and causal attention of one layer for N tokens of a "
@@ -663,7 +869,7 @@ static PyMethodDef methods[] = {
     {"layer", py_layer, METH_VARARGS,
      "layer(out, x, scratch, w_qkv, w_o, w_gate_up, w_down, kind, norm_in, norm_post, eps, H, Wq, I, k_cache, "
      "v_cache, cos, sin, slots, positions, flat, N, T, NH, KVH, D, MAX, threads): one decoder layer of a "
-     "decode or verify step over blocked weights (float32; pointers as integers)"},
+     "decode or verify step over blocked weights (float32 activations; pointers as integers)"},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(out_ptr, gate_up_ptr, rows, I, portable=False): out[r] = silu(gate_up[r, :I]) * gate_up[r, I:], float32"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
@@ -679,5 +885,10 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     __builtin_cpu_init();
     has_avx512 = __builtin_cpu_supports("avx512f");
     has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    unsigned int a, b, c, d;
+    if (has_avx512 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) has_avx512_bf16 = (a >> 5) & 1;
+    if (has_avx512_bf16 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) && ((d >> 24) & 1))
+        /* Linux hands out AMX's 8 KB of tile state only to a process that asks (5.16+) */
+        has_amx = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return PyModule_Create(&module);
 }

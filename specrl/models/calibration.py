@@ -46,6 +46,7 @@ HEAD_BUCKETS = tuple(b for b in BUCKETS if b <= 48)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # the weights' dtype
 STREAM_FLAGS = ("avx2", "fma", "f16c")  # the stream kernel's vector path (AVX-512F is a superset here)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+AMX_FLAGS = ("amx_tile", "amx_bf16")
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
              "avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
 DEFAULT_L3 = 32 << 20
@@ -65,18 +66,23 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[torch.dtype, str]:
     """"auto" | "float32" | "float16" | "bfloat16" -> (the weights' dtype, a one-line reason).
 
-    float16 stores the weights in half precision for the stream kernel (linear.py), which converts
-    them in registers and computes in float32: activations, KV cache, products and sums stay
-    float32, so it is float32 compute on half the bytes (closer to the float32 checkpoint than
-    bfloat16's 8-bit mantissa). bfloat16 computes in bf16 through oneDNN.
+    Half-precision weights halve the bytes a decode step streams; activations, norms, KV cache and
+    sums stay float32 either way (`activation_dtype`). float16 weights keep 10 mantissa bits and are
+    converted in registers by the stream kernel (linear.py); bfloat16 weights keep 7 and multiply x
+    rounded to bfloat16 on the CPU's own bf16 units (AMX tiles, else AVX512-BF16).
 
-    auto: float16 where the CPU has the kernel's vector path (AVX2 + FMA + F16C): a decode step
-    streams the weights, and half the bytes measured faster than either float32 or oneDNN's
-    native bf16 (AVX-512 EPYC with avx512_bf16, [3072, 576] at one row: 106 us against 167 and
-    302); float32 on a CPU without it."""
+    auto: bfloat16 where the CPU has AMX-BF16: one tile multiplies 16 rows for the price of one, so a
+    verify or a batch costs what a decode step does (measured on an AMX Xeon, 2 threads, all the
+    layers' and head's matmuls: 11.3 / 11.6 / 17.6 ms at 1 / 16 / 40 rows, float16 weights
+    10.1 / 23.9 / 51.5). Else float16 where the CPU has the stream kernel's vector path (AVX2 +
+    FMA + F16C): half the bytes measured faster than float32 and than oneDNN's native bf16 (AVX-512
+    EPYC with avx512_bf16, [3072, 576] at one row: 106 us against 167 and 302). Else float32."""
     if requested not in ("auto", *DTYPES):
         raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {requested!r}")
     if requested == "auto":
+        if all(f in flags for f in AMX_FLAGS):
+            return torch.bfloat16, "dtype=bfloat16 (auto: bfloat16 weights on AMX tiles, float32 activations; " \
+                                   "the CPU has amx_tile+amx_bf16)"
         missing = [f for f in STREAM_FLAGS if f not in flags]
         if not missing:
             return torch.float16, "dtype=float16 (auto: float16 weights, float32 compute; the CPU has avx2+fma+f16c)"
@@ -85,8 +91,9 @@ def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[tor
 
 
 def activation_dtype(weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a model of these weights computes in: float16 weights compute in float32."""
-    return torch.float32 if weight_dtype == torch.float16 else weight_dtype
+    """The dtype a model of these weights computes in: float32 (activations, norms, KV cache) whatever
+    the weights; half-precision weights are what a decode step streams, so they are what saves."""
+    return torch.float32
 
 
 def bucket_weights(buckets: tuple[int, ...], max_batch: int = 8, prefill_share: float = 0.01) -> dict[int, float]:
@@ -247,7 +254,7 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
                   storages: list[str], progress: bool = False, passes: int = 2,
                   x_dtype: torch.dtype | None = None) -> dict:
     """Time every call from every storage at every bucket for a weight [OUT, IN] of `dtype` and
-    inputs of `x_dtype` (None: dtype; float32 with float16 weights takes the "mixed" calls only).
+    inputs of `x_dtype` (None: dtype; float32 with half-precision weights takes the "mixed" calls only).
 
     -> storage -> call -> [ms | None]; None: a single-row call above one row, or a call dropped
     in every pass after it measured > 3x the fastest call so far at a smaller bucket (no call was
@@ -266,7 +273,6 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.02)  # one tensor of the dtype, no fp32 temporary
     x_dtype = dtype if x_dtype is None else x_dtype
-    mixed = x_dtype != dtype
     inputs = [torch.randn(rows, in_features, generator=gen).to(x_dtype) for rows in buckets]
     result: dict[str, dict[str, list]] = {}
     bar = tqdm(total=passes * len(storages) * len(buckets),
@@ -275,7 +281,7 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
         for _ in range(passes):
             best = [math.inf] * len(buckets)  # seconds, over every storage measured so far in this pass
             for storage in (STORAGES[name] for name in storages):
-                if not calls_for(storage.name, 1, mixed):  # e.g. oneDNN's layout for float16 weights
+                if not calls_for(storage.name, 1, dtype, x_dtype):  # e.g. oneDNN's layout for float16 weights
                     bar.update(len(buckets))
                     continue
                 try:
@@ -284,11 +290,11 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
                     bar.update(len(buckets))
                     continue
                 calls = result.setdefault(storage.name, {c.name: [None] * len(buckets)
-                                                          for c in calls_for(storage.name, 1, mixed)})
+                                                          for c in calls_for(storage.name, 1, dtype, x_dtype)})
                 dropped: set[str] = set()
                 cursor = 0
                 for i, x2 in enumerate(inputs):
-                    for call in calls_for(storage.name, len(x2), mixed):
+                    for call in calls_for(storage.name, len(x2), dtype, x_dtype):
                         if call.name in dropped:
                             continue
                         seconds, cursor = _time_call(call.fn, x2, ring, cursor, best[i])

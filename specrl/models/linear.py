@@ -14,16 +14,21 @@ hard-coded to one machine.
 Storages (`STORAGES`): `plain` [OUT, IN] (the checkpoint's), `transposed` [IN, OUT]
 contiguous, `onednn` (oneDNN's blocked layout, an opaque mkldnn tensor: no row access), and
 `blocked` [OUT/16, IN, 16] (16 outputs per contiguous stream: the layout of the `stream` call,
-our own kernel in `_cpu_kernels.c`, which reads the weight once for all rows and holds float32 or
-float16 weights). Calls (`CALLS`) take x2 [M, IN] row-major and return [M, OUT] row-major, in the
-weight's dtype (float32 or bfloat16; the libraries accumulate bf16 products in float32), except
-the calls with a "mixed" mode, which take float16 weights with float32 x2 and return float32.
+our own kernel in `_cpu_kernels.c`, which reads the weight once for all rows and holds float32,
+float16 or bfloat16 weights; bfloat16 in pairs of inputs, for AMX tiles and AVX512-BF16). Calls
+(`CALLS`) take x2 [M, IN] row-major and return [M, OUT] row-major, in the weight's dtype (float32 or
+bfloat16; the libraries accumulate bf16 products in float32), except the "mixed" calls, which take
+half-precision (float16 or bfloat16) weights with float32 x2 and return float32: a served model keeps
+its activations in float32 whatever its weights.
 
 Why a kernel of our own (measured on an AVX-512 EPYC, 2 threads, SmolLM2's [3072, 576] from
 memory, us per call at M = 1 / 5 / 8): oneDNN's packed float32 302 / 252 / 311 (19-28 GB/s),
 `stream` float32 203 / 204 / 243 (35 GB/s, flat to 5 rows), `stream` float16 106 / 125 / 176,
 oneDNN bfloat16 167 at M = 1. oneDNN reorders and dispatches per call for a shape it treats as a
-GEMM; a decode step is a weight stream.
+GEMM; a decode step is a weight stream. On an AMX Xeon (2 threads, 30 GB/s read), all the layers' and
+the head's matmuls of SmolLM2 at 1 / 5 / 16 / 40 rows: `stream` float32 19.3 / 20.2 / 31.7 / 54.1 ms,
+float16 10.1 / 12.1 / 23.9 / 51.5, bfloat16 on AMX tiles 11.3 / 11.8 / 11.6 / 17.6 (on AVX512-BF16's
+dot product 10.5 / 12.5 / 28.5 / 64.2: AMX is the one path there, so every row count sums alike).
 
 Measured and left out (AVX2 EPYC, torch 2.13, 1 thread, SmolLM2's linears, ms per forward at
 M=1/5/8): MKL's packed GEMM (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`,
@@ -45,6 +50,11 @@ try:
     from specrl.models import _cpu_kernels as cpu_kernels
 except ImportError:  # not built (a source tree without `make install`): the other storages serve
     cpu_kernels = None
+
+STREAM_PATHS = {"best": 0, "portable": 1, "no_amx": 2}  # the kernel's `path` argument (the last two: tests)
+# Whether the kernel multiplies bfloat16 weights on the CPU's bf16 units here (AMX or AVX512-BF16); its
+# scalar C fallback is never a candidate: F.linear serves bfloat16 weights on such a CPU.
+NATIVE_BF16 = cpu_kernels is not None and cpu_kernels.path(64, 2, 64) != "portable"
 
 SMALL_M = 16
 MAX_ROWS = 512  # row counts above this use the call chosen for this many rows
@@ -83,21 +93,40 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def _blocked_pack(w: torch.Tensor) -> torch.Tensor:
-    """[OUT, IN] -> [ceil(OUT/16), IN, 16] (OUT padded with zero rows); RuntimeError where the kernel
-    cannot serve it (the calibration then leaves the storage out for this weight)."""
+    """[OUT, IN] -> [ceil(OUT/16), IN, 16] float32/float16, or [ceil(OUT/16), IN/2, 16, 2] bfloat16
+    (pairs of inputs: the rows of AVX512-BF16's dot product and of AMX's B tiles); OUT padded with
+    zero rows. RuntimeError where the kernel cannot serve it (the calibration then leaves the storage
+    out for this weight)."""
     if cpu_kernels is None:
         raise RuntimeError("the stream kernel (specrl.models._cpu_kernels) is not built")
-    if w.dtype not in (torch.float32, torch.float16):
-        raise RuntimeError(f"the stream kernel takes float32 or float16 weights, not {w.dtype}")
+    if w.dtype not in KIND:
+        raise RuntimeError(f"the stream kernel takes float32, float16 or bfloat16 weights, not {w.dtype}")
     out_features, in_features = w.shape
+    if w.dtype == torch.bfloat16 and in_features % 2:
+        raise RuntimeError(f"the stream kernel takes bfloat16 weights in pairs of inputs, not {in_features}")
     padded = -(-out_features // BLOCK) * BLOCK
     if padded != out_features:
         w = torch.cat([w, w.new_zeros(padded - out_features, in_features)])
+    if w.dtype == torch.bfloat16:
+        return w.view(padded // BLOCK, BLOCK, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
     return w.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
 
 
 def _blocked_unpack(s: torch.Tensor) -> torch.Tensor:
+    if s.dim() == 4:  # bfloat16 pairs
+        return s.permute(0, 2, 1, 3).reshape(s.shape[0] * BLOCK, s.shape[1] * 2)
     return s.transpose(1, 2).reshape(s.shape[0] * BLOCK, s.shape[1])
+
+
+def _blocked_rows(s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    block, lane = torch.div(ids, BLOCK, rounding_mode="floor"), ids % BLOCK
+    if s.dim() == 4:  # bfloat16 pairs: [N, IN/2, 2] -> [N, IN]
+        return s[block, :, lane].reshape(len(ids), -1)
+    return s[block, :, lane]
+
+
+def _blocked_in_features(s: torch.Tensor) -> int:
+    return s.shape[1] * 2 if s.dim() == 4 else s.shape[1]
 
 
 STORAGES = {
@@ -105,9 +134,13 @@ STORAGES = {
     "transposed": Storage("transposed", lambda w: w.t().contiguous(), lambda s: s.t(),
                           lambda s, ids: s.index_select(1, ids).t()),
     "onednn": Storage("onednn", _onednn_pack, lambda s: s.to_dense(), None),
-    "blocked": Storage("blocked", _blocked_pack, _blocked_unpack,
-                       lambda s, ids: s[torch.div(ids, BLOCK, rounding_mode="floor"), :, ids % BLOCK]),
+    "blocked": Storage("blocked", _blocked_pack, _blocked_unpack, _blocked_rows),
 }
+
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+SAME = ((F32, F32), (BF16, BF16))  # x2 in the weight's dtype: what the libraries' calls take
+HALF = ((F16, F32), (BF16, F32))  # half-precision weights with float32 x2: the "mixed" calls
 
 
 @dataclass(frozen=True)
@@ -116,7 +149,7 @@ class Call:
     storage: str
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x2 [M, IN], stored) -> [M, OUT]
     max_rows: int = MAX_ROWS  # 1: a single-row (matrix-vector) call
-    modes: tuple[str, ...] = ("same",)  # "same": x2 in the weight's dtype; "mixed": float16 weights, float32 x2
+    dtypes: tuple[tuple[torch.dtype, torch.dtype], ...] = SAME  # the (weight, x2) dtypes it takes
 
 
 def _w_xt(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -131,15 +164,17 @@ def _onednn(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
 
 
-def _stream(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x2 [M, IN] float32 contiguous, w blocked [OUT/16, IN, 16] float32/float16 -> [M, OUT] float32
-    (OUT padded to a multiple of 16: PackedLinear cuts the padding off)."""
+def _stream(x2: torch.Tensor, w: torch.Tensor, path: int = 0) -> torch.Tensor:
+    """x2 [M, IN] float32 contiguous, w blocked (`_blocked_pack`) float32/float16/bfloat16 -> [M, OUT]
+    float32 (OUT padded to a multiple of 16: PackedLinear cuts the padding off). bfloat16 weights
+    multiply x rounded to bfloat16 (AMX, else AVX512-BF16), products summed in float32. path: the
+    kernel's (`STREAM_PATHS`; tests)."""
     rows, in_features = x2.shape
-    if x2.dtype != torch.float32 or w.shape[1] != in_features:
+    if x2.dtype != torch.float32 or _blocked_in_features(w) != in_features:
         raise ValueError(f"stream: x {list(x2.shape)} {x2.dtype} does not fit a blocked {list(w.shape)} weight")
     out = torch.empty(rows, w.shape[0] * BLOCK)
-    cpu_kernels.gemm(out.data_ptr(), x2.data_ptr(), w.data_ptr(), rows, in_features, out.shape[1],
-                     0 if w.dtype == torch.float32 else 1, torch.get_num_threads())
+    cpu_kernels.gemm(out.data_ptr(), x2.data_ptr(), w.data_ptr(), rows, in_features, out.shape[1], KIND[w.dtype],
+                     torch.get_num_threads(), path)
     return out
 
 
@@ -151,16 +186,17 @@ CALLS = {c.name: c for c in [
     Call("x@Wt", "transposed", lambda x2, wt: x2 @ wt),
     Call("mv Wt", "transposed", lambda x2, wt: torch.mv(wt.t(), x2[0])[None], max_rows=1),
     Call("onednn", "onednn", _onednn),
-    Call("stream", "blocked", _stream, modes=("same", "mixed")),
-    Call("upcast", "plain", lambda x2, w: F.linear(x2, w.to(x2.dtype)), modes=("mixed",)),  # odd shapes in float16
+    Call("stream", "blocked", _stream, dtypes=((F32, F32), (F16, F32)) + ((BF16, F32),) * NATIVE_BF16),
+    Call("upcast", "plain", lambda x2, w: F.linear(x2, w.to(x2.dtype)), dtypes=HALF),  # odd shapes
 ]}
+KIND = {F32: 0, F16: 1, BF16: 2}  # the stream kernel's weight kinds
 
 
-def calls_for(storage: str, rows: int, mixed: bool = False) -> list[Call]:
-    """The calls from `storage` for `rows` rows; mixed: those that take float16 weights with float32
-    x2, else those that take x2 in the weight's dtype."""
-    mode = "mixed" if mixed else "same"
-    return [c for c in CALLS.values() if c.storage == storage and rows <= c.max_rows and mode in c.modes]
+def calls_for(storage: str, rows: int, weight_dtype: torch.dtype = F32, x_dtype: torch.dtype | None = None) -> list[Call]:
+    """The calls from `storage` for `rows` rows that take `weight_dtype` weights with x2 of `x_dtype`
+    (None: the weight's)."""
+    pair = (weight_dtype, weight_dtype if x_dtype is None else x_dtype)
+    return [c for c in CALLS.values() if c.storage == storage and rows <= c.max_rows and pair in c.dtypes]
 
 
 class PackedLinear:

@@ -9,9 +9,10 @@ the whole prompt.
 Weights are plain tensors fused at load time (q|k|v, gate|up), read straight from the
 safetensors files into the parameters. For serving, `load_llama(dir, plan)` then packs every
 linear once as the start-up calibration chose for this CPU (`specrl.models.calibration`),
-in float32 or bfloat16; training builds and backpropagates through the plain form.
+its weights in float32, float16 or bfloat16 and everything else in float32; training builds and
+backpropagates through the plain form (which also runs in bfloat16 throughout).
 
-A float32 decode or verify step whose four linears all take the stream kernel runs each layer as
+A decode or verify step (float32 activations) whose four linears all take the stream kernel runs each layer as
 one C call (`DecoderLayer.forward_streamed`: norms, linears, fused attention, SwiGLU, residuals);
 otherwise the same kernels are called op by op, and prefill chunks take torch's SDPA.
 
@@ -36,7 +37,7 @@ from torch import nn
 
 from specrl.errors import ModelNotFoundError
 from specrl.models.kv_cache import CacheBatch, KVCache
-from specrl.models.linear import PackedLinear, cpu_kernels, linear, plain_weight
+from specrl.models.linear import KIND, PackedLinear, cpu_kernels, linear, plain_weight
 
 if TYPE_CHECKING:
     from specrl.models.calibration import Calibration
@@ -250,7 +251,7 @@ class DecoderLayer(nn.Module):
         k, v, slots, positions, flat, n, t, max_len = batch.kernel_args(index)
         cpu_kernels.layer(out.data_ptr(), x.data_ptr(), scratch.data_ptr(), self.qkv.stored.data_ptr(),
                           self.o.stored.data_ptr(), self.gate_up.stored.data_ptr(), self.down.stored.data_ptr(),
-                          0 if self.qkv.dtype == torch.float32 else 1, self.input_norm.data_ptr(),
+                          KIND[self.qkv.dtype], self.input_norm.data_ptr(),
                           self.post_norm.data_ptr(), cfg.rms_norm_eps, hidden, width, inter, k, v,
                           cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots, positions, flat, n, t,
                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, torch.get_num_threads())
@@ -264,7 +265,7 @@ class DecoderLayer(nn.Module):
 class Llama(nn.Module):
     """The target. Built with plain float32 parameters (what the trainers backpropagate through);
     `prepare_inference(plan)` turns it into the serving form: each linear packed once as the
-    calibration chose, in its dtype (bfloat16 where the CPU has native bf16), KV cache in it too."""
+    calibration chose, in its weight dtype; activations and KV cache in the plan's dtype (float32)."""
 
     head_only = False  # `load_llama_head`: embeddings, norm, head and the top layer only; no forward
 

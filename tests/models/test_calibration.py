@@ -17,9 +17,11 @@ SHAPE = (48, 32)
     ({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}, torch.float16),  # faster than oneDNN's native bf16 too
     ({"avx2", "fma"}, torch.float32),  # no F16C: no float16 weights
     ({"avx512f", "avx512_bf16"}, torch.float32),
+    ({"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),  # AMX tiles
+    ({"avx2", "fma", "f16c", "amx_tile"}, torch.float16),  # tiles without bf16 dot products
     (set(), torch.float32),
 ])
-def test_auto_dtype_picks_float16_weights_where_the_stream_kernel_has_its_vector_path(flags, want):
+def test_auto_dtype_picks_by_the_cpus_vector_units(flags, want):
     dtype, reason = resolve_dtype("auto", frozenset(flags))
     assert dtype == want and reason.startswith(f"dtype={str(want).removeprefix('torch.')} (auto")
 
@@ -107,7 +109,8 @@ def test_one_storage_per_weight_and_tied_weights_keep_row_access(tmp_path):
 
 def test_bf16_without_native_support_warns_with_the_measured_ratio(tmp_path):
     plan = Calibration.open(tmp_path, "bfloat16", flags=frozenset({"avx2", "fma"}))
-    assert plan.dtype == torch.bfloat16 and "WARNING" not in plan.packed_note()
+    assert plan.weight_dtype == torch.bfloat16 and plan.dtype == torch.float32  # bf16 weights, float32 activations
+    assert "WARNING" not in plan.packed_note()
     plan.pack(torch.randn(SHAPE))
     ratio = plan.slowdown()
     assert ratio is not None and ratio > 0

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for, linear, plain_weight
 
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=0.1, rtol=0.02)}
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-4, rtol=1e-4),
+       torch.bfloat16: dict(atol=0.1, rtol=0.02)}
 
 
 def _storage_or_skip(name: str, weight: torch.Tensor) -> torch.Tensor:
@@ -16,17 +17,21 @@ def _storage_or_skip(name: str, weight: torch.Tensor) -> torch.Tensor:
         pytest.skip(f"{name} storage for {weight.dtype} is not available on this CPU: {exc}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("call,rows", [(c, r) for c in sorted(CALLS) for r in (1, 2, 5, 17, 64) if r <= CALLS[c].max_rows])
-def test_every_call_matches_f_linear(call, rows, dtype):
+@pytest.mark.parametrize("call,rows,dtypes", [(c, r, d) for c in sorted(CALLS) for r in (1, 2, 5, 17, 64)
+                                               for d in CALLS[c].dtypes if r <= CALLS[c].max_rows])
+def test_every_call_matches_f_linear(call, rows, dtypes):
+    """Every call, at every (weight, x) dtype pair it takes, against F.linear in float32 over the same
+    values (bf16 on either side: bf16's tolerance; the bf16 calls round x to bf16)."""
     spec = CALLS[call]
+    weight_dtype, x_dtype = dtypes
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 40, generator=gen).to(dtype)
-    x = torch.randn(rows, 40, generator=gen).to(dtype)
+    weight = torch.randn(96, 40, generator=gen).to(weight_dtype)
+    x = torch.randn(rows, 40, generator=gen).to(x_dtype)
     stored = _storage_or_skip(spec.storage, weight)
     out = spec.fn(x, stored)
-    assert out.shape == (rows, 96) and out.dtype == dtype and out.is_contiguous()
-    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), **TOL[dtype])
+    assert out.shape == (rows, 96) and out.dtype == x_dtype and out.is_contiguous()
+    tol = TOL[torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32 if weight_dtype == x_dtype else torch.float16]
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), **tol)
 
 
 @pytest.mark.parametrize("storage", sorted(STORAGES))
@@ -121,8 +126,30 @@ def test_stream_refuses_what_does_not_fit():
         CALLS["stream"].fn(torch.randn(2, 15), weight)  # IN differs
     with pytest.raises(ValueError, match="does not fit"):
         CALLS["stream"].fn(torch.randn(2, 16, dtype=torch.float64), weight)
-    with pytest.raises(RuntimeError, match="float32 or float16"):
-        STORAGES["blocked"].pack(torch.randn(32, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        STORAGES["blocked"].pack(torch.randn(32, 16).double())
+    with pytest.raises(RuntimeError, match="pairs of inputs"):
+        STORAGES["blocked"].pack(torch.randn(32, 15).bfloat16())
+
+
+@pytest.mark.parametrize("path", ["best", "no_amx", "portable"])
+@pytest.mark.parametrize("out_features,in_features", [(128, 64), (64, 96), (48, 38)])  # AMX; K % 32 != 0; odd blocks
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 40])
+def test_stream_bf16_matches_the_rounded_product(out_features, in_features, rows, path):
+    """bfloat16 weights: every path (AMX tiles of 16 rows and a partial group, AVX512-BF16 register
+    tiles, portable C; a CPU without the path falls back to the next) gives x rounded to bfloat16
+    times the weights, summed in float32: products of two bf16 values are exact, so only the order
+    of the sums may differ."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen)
+    stored = STORAGES["blocked"].pack(weight)
+    out = torch.empty(rows, stored.shape[0] * 16)
+    stream_kernel.gemm(out.data_ptr(), x.data_ptr(), stored.data_ptr(), rows, in_features, out.shape[1], 2, 2,
+                       {"best": 0, "portable": 1, "no_amx": 2}[path])
+    want = F.linear(x.bfloat16().double(), weight.double()).float()
+    torch.testing.assert_close(out[:, :out_features], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(PackedLinear(weight, "blocked", (512,), ("stream",))(x), out[:, :out_features]) or path != "best"
 
 
 def test_stream_uses_a_vector_path_where_the_cpu_has_one():

@@ -222,7 +222,7 @@ def test_fused_silu_mul_equals_the_torch_ops_and_keeps_autograd(shape):
     assert leaf.grad is not None and leaf.grad.shape == gate_up.shape
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [None, [3, 1]])  # equal rows, and a packed verify
 def test_one_call_layer_computes_the_per_op_path_to_the_bit(weight_dtype, lengths):
     """A decoder layer whose linears all stream runs as one `_cpu_kernels.layer` call; it must give

@@ -1,8 +1,8 @@
 """The inference form (`load_llama(dir, plan)`, `prepare_inference`) computes what the plain form does.
 
 Tolerances: fp32, different matmul calls -> below 1e-4 on the tiny model's logits (magnitude ~10);
-bf16 (weights, activations and KV cache; fp32 accumulation) -> below 0.15 there, and against HF
-on SmolLM2 the argmax agrees on >= 90% of positions.
+bf16 weights (x rounded to bf16 at the matmuls; fp32 accumulation) or all of bf16 (weights,
+activations and KV cache: the plain form can) -> below 0.15 there; against HF on SmolLM2 see below.
 """
 
 import pytest
@@ -62,6 +62,21 @@ def test_prepared_forward_bf16_is_close(tiny_dir):
     plain = load_llama(tiny_dir)
     prepared = load_llama(tiny_dir, plan=ForcedPlan("plain", torch.bfloat16))
     assert prepared.dtype == torch.bfloat16 and prepared.new_cache(1, 4).k.dtype == torch.bfloat16
+    for got, want in zip(_forwards(prepared, STEPS), _forwards(plain, STEPS)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=0.15, rtol=0)
+
+
+def test_prepared_forward_bfloat16_weights_is_close(tiny_dir):
+    """bfloat16 weights through the stream kernel (AMX / AVX512-BF16 / C), x rounded to bf16 at each
+    matmul, everything else float32 (the served bfloat16); the tied head's embedding rows come out of
+    the pairs layout."""
+    plain = load_llama(tiny_dir)
+    prepared = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, torch.bfloat16))
+    assert prepared.dtype == torch.float32 and prepared.new_cache(1, 4).k.dtype == torch.float32
+    assert prepared.layers[0].qkv.dtype == torch.bfloat16 and prepared.lm_head.dtype == torch.bfloat16
+    torch.testing.assert_close(prepared.embed_tokens(torch.tensor([0, 5, 17])),
+                               plain.embed_tokens(torch.tensor([0, 5, 17])).bfloat16().float())
     for got, want in zip(_forwards(prepared, STEPS), _forwards(plain, STEPS)):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, atol=0.15, rtol=0)
@@ -189,10 +204,12 @@ def test_smollm2_fp32_matches_transformers(smollm_dir, calibration_dir):
 
 @pytest.mark.slow
 def test_smollm2_bf16_argmax_mostly_agrees_with_transformers(smollm_dir, calibration_dir):
-    """bf16 runs on any CPU (emulated without avx512_bf16/amx_bf16: ~3-5x slower, with a warning)."""
+    """bfloat16 weights, float32 activations, x rounded to bf16 at the matmuls (AMX / AVX512-BF16 /
+    oneDNN; emulated without avx512_bf16/amx_bf16: slower, with a warning). Measured on the AMX Xeon:
+    0.37, 36 of 36 (1.87 and 35 of 36 when activations and KV cache were bf16 too)."""
     plan = Calibration.open(calibration_dir, "bfloat16")
     worst, agree, total = _hf_parity(smollm_dir, plan)
-    assert agree >= 0.9 * total and worst < 4.0
+    assert agree >= total - 1 and worst < 1.0, (worst, agree, total)
     assert ("WARNING" in plan.packed_note()) == (plan.slowdown() is not None)
 
 

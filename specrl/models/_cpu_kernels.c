@@ -15,8 +15,8 @@
  * (below: AMX tiles or AVX512-BF16 dot products on x rounded to bf16); x and out are float32.
  *
  * Paths, chosen at run time from the CPU: AVX-512F (16 lanes, 6 rows x 4 vectors), AVX2 + FMA +
- * F16C (8 lanes, 6 rows x 2 vectors), and portable C; for bfloat16, AMX, AVX512-BF16 or C. Threads: OpenMP over groups of outputs,
- * with the count the caller passes (torch's), in the runtime torch already loaded (libgomp.so.1 by
+ * F16C (8 lanes, 6 rows x 2 vectors), and portable C; for bfloat16, AMX, AVX512-BF16 or C. Threads:
+ * OpenMP over groups of outputs, with the count the caller passes (torch's), in the runtime torch already loaded (libgomp.so.1 by
  * soname: one thread pool). The GIL is released while it runs. The caller (linear.py) checks
  * shapes, dtypes and contiguity; this file trusts its arguments.
  *
@@ -328,12 +328,22 @@ static uint16_t *round_rows(const float *x, int64_t M, int64_t K, int64_t rows, 
     return xb;
 }
 
+enum { BF16_AMX, BF16_AVX512, BF16_PORTABLE };
+
+/* The bfloat16 path for N outputs of K inputs: AMX needs K in whole tiles (32) and the vector paths
+ * whole groups of 4 blocks. */
+static int bf16_path(int64_t N, int64_t K, int path) {
+    const int fours = (N / BLOCK) % 4 == 0;
+    if (has_amx && path == PATH_BEST && K % 32 == 0 && fours) return BF16_AMX;
+    if (has_avx512_bf16 && path != PATH_PORTABLE && fours) return BF16_AVX512;
+    return BF16_PORTABLE;
+}
+
 /* bfloat16 weights: 0 on success, -1 when the rounded x could not be allocated. */
 static int gemm_bf16(const float *x, const uint16_t *w, float *out, int64_t M, int64_t K, int64_t N, int threads,
                      int path) {
     const int64_t blocks = N / BLOCK;
-    const int amx = has_amx && path == PATH_BEST && K % 32 == 0 && blocks % 4 == 0;
-    const int vec = !amx && has_avx512_bf16 && path != PATH_PORTABLE && blocks % 4 == 0;
+    const int chosen = bf16_path(N, K, path), amx = chosen == BF16_AMX, vec = chosen == BF16_AVX512;
     uint16_t *xb = round_rows(x, M, K, amx ? (M + 15) / 16 * 16 : M, path);
     if (xb == NULL) return -1;
     const int64_t group = amx || vec ? 4 : 1, groups = blocks / group;
@@ -840,9 +850,8 @@ static PyObject *py_path(PyObject *self, PyObject *args) {
     int kind = W_F32;
     if (!PyArg_ParseTuple(args, "L|iL", &N, &kind, &K)) return NULL;
     if (kind == W_BF16) {
-        const int fours = (N / BLOCK) % 4 == 0;
-        return PyUnicode_FromString(has_amx && fours && K % 32 == 0 ? "amx" : has_avx512_bf16 && fours ? "avx512_bf16"
-                                                                                                          : "portable");
+        static const char *names[] = {"amx", "avx512_bf16", "portable"};
+        return PyUnicode_FromString(names[bf16_path(N, K, PATH_BEST)]);
     }
     const char *name;
     int64_t group;

@@ -67,7 +67,7 @@ def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[tor
     """"auto" | "float32" | "float16" | "bfloat16" -> (the weights' dtype, a one-line reason).
 
     Half-precision weights halve the bytes a decode step streams; activations, norms, KV cache and
-    sums stay float32 either way (`activation_dtype`). float16 weights keep 10 mantissa bits and are
+    sums stay float32 either way (`Calibration.dtype`). float16 weights keep 10 mantissa bits and are
     converted in registers by the stream kernel (linear.py); bfloat16 weights keep 7 and multiply x
     rounded to bfloat16 on the CPU's own bf16 units (AMX tiles, else AVX512-BF16).
 
@@ -88,12 +88,6 @@ def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[tor
             return torch.float16, "dtype=float16 (auto: float16 weights, float32 compute; the CPU has avx2+fma+f16c)"
         return torch.float32, f"dtype=float32 (auto: the CPU lacks {'+'.join(missing)} for float16 weights)"
     return DTYPES[requested], f"dtype={requested} (requested)"
-
-
-def activation_dtype(weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a model of these weights computes in: float32 (activations, norms, KV cache) whatever
-    the weights; half-precision weights are what a decode step streams, so they are what saves."""
-    return torch.float32
 
 
 def bucket_weights(buckets: tuple[int, ...], max_batch: int = 8, prefill_share: float = 0.01) -> dict[int, float]:
@@ -168,7 +162,8 @@ class Calibration:
                 shapes = saved["shapes"] if saved.get("key") == key else {}
             except (ValueError, KeyError, TypeError):
                 shapes = {}
-        calib = cls(path, activation_dtype(torch_dtype), reason, key, shapes, progress, weight_dtype=torch_dtype)
+        # float32 activations, norms and KV cache whatever the weights: the weights are what a decode step streams
+        calib = cls(path, torch.float32, reason, key, shapes, progress, weight_dtype=torch_dtype)
         if torch_dtype == torch.bfloat16 and not any(f in flags for f in NATIVE_BF16_FLAGS):
             calib._reference = cls.open(directory, "float32", progress=progress, flags=flags)
         return calib

@@ -51,7 +51,6 @@ try:
 except ImportError:  # not built (a source tree without `make install`): the other storages serve
     cpu_kernels = None
 
-STREAM_PATHS = {"best": 0, "portable": 1, "no_amx": 2}  # the kernel's `path` argument (the last two: tests)
 # Whether the kernel multiplies bfloat16 weights on the CPU's bf16 units here (AMX or AVX512-BF16); its
 # scalar C fallback is never a candidate: F.linear serves bfloat16 weights on such a CPU.
 NATIVE_BF16 = cpu_kernels is not None and cpu_kernels.path(64, 2, 64) != "portable"
@@ -164,17 +163,16 @@ def _onednn(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
 
 
-def _stream(x2: torch.Tensor, w: torch.Tensor, path: int = 0) -> torch.Tensor:
+def _stream(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2 [M, IN] float32 contiguous, w blocked (`_blocked_pack`) float32/float16/bfloat16 -> [M, OUT]
     float32 (OUT padded to a multiple of 16: PackedLinear cuts the padding off). bfloat16 weights
-    multiply x rounded to bfloat16 (AMX, else AVX512-BF16), products summed in float32. path: the
-    kernel's (`STREAM_PATHS`; tests)."""
+    multiply x rounded to bfloat16 (AMX, else AVX512-BF16), products summed in float32."""
     rows, in_features = x2.shape
     if x2.dtype != torch.float32 or _blocked_in_features(w) != in_features:
         raise ValueError(f"stream: x {list(x2.shape)} {x2.dtype} does not fit a blocked {list(w.shape)} weight")
     out = torch.empty(rows, w.shape[0] * BLOCK)
     cpu_kernels.gemm(out.data_ptr(), x2.data_ptr(), w.data_ptr(), rows, in_features, out.shape[1], KIND[w.dtype],
-                     torch.get_num_threads(), path)
+                     torch.get_num_threads())
     return out
 
 

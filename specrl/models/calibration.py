@@ -71,18 +71,24 @@ def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[tor
     converted in registers by the stream kernel (linear.py); bfloat16 weights keep 7 and multiply x
     rounded to bfloat16 on the CPU's own bf16 units (AMX tiles, else AVX512-BF16).
 
-    auto: bfloat16 where the CPU has AMX-BF16: one tile multiplies 16 rows for the price of one, so a
-    verify or a batch costs what a decode step does (measured on an AMX Xeon, 2 threads, all the
-    layers' and head's matmuls: 11.3 / 11.6 / 17.6 ms at 1 / 16 / 40 rows, float16 weights
-    10.1 / 23.9 / 51.5). Else float16 where the CPU has the stream kernel's vector path (AVX2 +
-    FMA + F16C): half the bytes measured faster than float32 and than oneDNN's native bf16 (AVX-512
-    EPYC with avx512_bf16, [3072, 576] at one row: 106 us against 167 and 302). Else float32."""
+    auto: bfloat16 where the CPU has native bf16 dot products (AMX-BF16 or AVX512-BF16). With AMX one
+    tile multiplies 16 rows for the price of one, so a verify or a batch costs what a decode step does
+    (measured on an AMX Xeon, 2 threads, all the layers' and head's matmuls: 11.3 / 11.6 / 17.6 ms at
+    1 / 16 / 40 rows, float16 weights 10.1 / 23.9 / 51.5). With AVX512-BF16 alone one `vdpbf16ps`
+    multiplies 32 weights a row where float16 weights take a conversion and an FMA per 16 (measured on
+    an AVX-512 EPYC with avx512_bf16, 44.6 GB/s, 2 threads, `specrl bench engine`, SmolLM2 plain
+    decoding: bfloat16 133 / 680 tok/s at B=1 / 8, float16 98 / 553, float32 66 / 465). Else float16
+    where the CPU has the stream kernel's vector path (AVX2 + FMA + F16C): half the bytes, converted
+    in registers, measured faster than float32. Else float32."""
     if requested not in ("auto", *DTYPES):
         raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {requested!r}")
     if requested == "auto":
         if all(f in flags for f in AMX_FLAGS):
             return torch.bfloat16, "dtype=bfloat16 (auto: bfloat16 weights on AMX tiles, float32 activations; " \
                                    "the CPU has amx_tile+amx_bf16)"
+        if "avx512_bf16" in flags:
+            return torch.bfloat16, "dtype=bfloat16 (auto: bfloat16 weights on AVX512-BF16 dot products, float32 " \
+                                   "activations; the CPU has avx512_bf16)"
         missing = [f for f in STREAM_FLAGS if f not in flags]
         if not missing:
             return torch.float16, "dtype=float16 (auto: float16 weights, float32 compute; the CPU has avx2+fma+f16c)"

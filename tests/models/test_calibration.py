@@ -14,9 +14,9 @@ SHAPE = (48, 32)
 
 @pytest.mark.parametrize("flags,want", [
     ({"avx2", "fma", "f16c"}, torch.float16),  # an AVX2 EPYC: float16 weights through the stream kernel
-    ({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}, torch.float16),  # faster than oneDNN's native bf16 too
+    ({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}, torch.bfloat16),  # an AVX-512 EPYC: vdpbf16ps
     ({"avx2", "fma"}, torch.float32),  # no F16C: no float16 weights
-    ({"avx512f", "avx512_bf16"}, torch.float32),
+    ({"avx512f", "avx512_bf16"}, torch.bfloat16),
     ({"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),  # AMX tiles
     ({"avx2", "fma", "f16c", "amx_tile"}, torch.float16),  # tiles without bf16 dot products
     (set(), torch.float32),

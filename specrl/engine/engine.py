@@ -31,7 +31,7 @@ from specrl.models.llama import Llama, load_llama
 from specrl.spec.controller import HEAD, CostModel, RowOffer, SpeculationController, StepPlan
 from specrl.spec.propose import Draft, assemble, catch_up, propose
 from specrl.spec.sampling import RowSampler, SamplingParams, position_uniforms
-from specrl.spec.suffix_index import SuffixIndex
+from specrl.spec.suffix_index import SuffixDraft, SuffixIndex
 from specrl.spec.verify import Verification, sample_first, verify
 from specrl.telemetry.record import StepRecord
 from specrl.telemetry.segments import SegmentWriter
@@ -151,9 +151,9 @@ class Engine:
         started = time.perf_counter()
         sampler = _sampler(running)
         suffix = [self._suffix_draft(s) for s in running]
-        plan = self.controller.plan([RowOffer(s.remaining_tokens - 1, conf) for s, (_, conf) in zip(running, suffix)],
+        plan = self.controller.plan([RowOffer(s.remaining_tokens - 1, d) for s, d in zip(running, suffix)],
                                     head=self.drafter is not None)
-        draft = self._draft(running, plan, [tokens for tokens, _ in suffix], sampler)
+        draft = self._draft(running, plan, [d.tokens if d is not None else [] for d in suffix], sampler)
         result = verify(target, self.cache, torch.tensor([s.pending_token for s in running]),
                         torch.tensor([s.slot for s in running]), torch.tensor([s.num_computed for s in running]),
                         draft, sampler)
@@ -162,7 +162,7 @@ class Engine:
             seq.num_computed += int(result.accepted[row]) + 1  # the pending token and the accepted drafts have KV now
             outputs.append(self._commit(seq, draft, row, result, plan.proposers[row]))
         seconds = time.perf_counter() - started
-        self.controller.observe_plan(plan, seconds, result.accepted.tolist(), [conf for _, conf in suffix])
+        self.controller.observe_plan(plan, seconds, result.accepted.tolist(), suffix)
         # What plain decoding would have spent on the same tokens: a plain step of these B rows
         # yields B tokens (the controller's measured cost of k = 0 at this batch size).
         emitted = len(running) + int(result.accepted.sum())
@@ -170,18 +170,12 @@ class Engine:
         self.stats.plain_equivalent_seconds += emitted / len(running) * self.controller.costs.step_cost(len(running), 0)
         return outputs
 
-    def _suffix_draft(self, seq: Sequence) -> tuple[list[int], list[float]]:
-        """The suffix index's draft after `seq`'s tokens -> (tokens, cumulative confidences)."""
-        if self.suffix is None or self.controller.fixed_k is not None:  # a fixed k drafts with the head only
-            return [], []
+    def _suffix_draft(self, seq: Sequence) -> SuffixDraft | None:
+        """The suffix index's draft after `seq`'s tokens (None: no index, or no room to draft)."""
         room = min(seq.remaining_tokens - 1, self.settings.suffix_max_tokens)
-        tokens, confidences = self.suffix.propose(seq.suffix, room, self.settings.suffix_min_confidence) if room > 0 \
-            else ([], [])
-        cumulative, running = [], 1.0
-        for c in confidences:
-            running *= c
-            cumulative.append(running)
-        return tokens, cumulative
+        if self.suffix is None or self.controller.fixed_k is not None or room <= 0:  # a fixed k drafts with the head only
+            return None
+        return self.suffix.propose(seq.suffix, room, self.settings.suffix_min_confidence)
 
     def _draft(self, running: list[Sequence], plan: StepPlan, suffix: list[list[int]], sampler: RowSampler) -> Draft:
         """The step's drafts as the plan says: the head's for its rows (drafted together), the

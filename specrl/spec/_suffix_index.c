@@ -448,6 +448,9 @@ static PyObject *Index_propose(IndexObject *self, PyObject *args) {
     if (n_own) own_best += pr->own_bonus;
     if (own_best < glob_best) n_own = 0;
     if (glob_best < own_best) n_glob = 0;
+    /* the longest match among the voting sources, in context tokens (the own bonus left out) */
+    const int64_t match = n_glob ? glob_best : n_own ? own_best - pr->own_bonus : 0;
+    const int own = n_own > 0;
     if (max_tokens > self->draft_cap) {
         int32_t *d = PyMem_Realloc(self->draft, sizeof(int32_t) * max_tokens);
         if (!d) return PyErr_NoMemory();
@@ -496,16 +499,14 @@ static PyObject *Index_propose(IndexObject *self, PyObject *args) {
     PyObject *tokens = PyList_New(K);
     if (!tokens) { Py_DECREF(confidences); return NULL; }
     for (int i = 0; i < K; i++) PyList_SET_ITEM(tokens, i, PyLong_FromLong(self->draft[i]));
-    PyObject *out = PyTuple_Pack(2, tokens, confidences);
-    Py_DECREF(tokens); Py_DECREF(confidences);
-    return out;
+    return Py_BuildValue("(NNLN)", tokens, confidences, (long long)match, PyBool_FromLong(own));
 }
 
 static PyMethodDef Index_methods[] = {
     {"add", (PyCFunction)Index_add, METH_O, "add(tokens): append one document, evicting the oldest as needed."},
     {"new_context", (PyCFunction)Index_new_context, METH_NOARGS, "new_context() -> an empty request Context."},
     {"propose", (PyCFunction)Index_propose, METH_VARARGS,
-     "propose(ctx, max_tokens, min_confidence) -> (token ids, confidences)."},
+     "propose(ctx, max_tokens, min_confidence) -> (token ids, confidences, match length, own)."},
     {NULL},
 };
 

@@ -2,13 +2,12 @@
 
 Two proposers. The learned head (EAGLE) drafts k tokens for the rows given to it, one drafter pass
 per token, all its rows together. The suffix index drafts from what traffic already said, at no
-cost worth counting, a different length per row with a confidence per token.
+cost worth counting, a different length per row with a vote share per token.
 
 Expected tokens. A step emits accepted + 1 tokens per row. With per-position acceptance rate a, a
-head draft of k tokens emits E(k) = 1 + a + a^2 + ... + a^k. A suffix draft whose tokens have
-cumulative confidences c_1 >= c_2 >= ... (products of the index's vote ratios) emits
-1 + sum_i min(1, s * c_i), where s calibrates confidence to live acceptance (accepted over
-predicted, over recent suffix drafts).
+head draft of k tokens emits E(k) = 1 + a + a^2 + ... + a^k. A suffix draft whose tokens are
+accepted with conditional probabilities p_1, p_2, ... (`SuffixAcceptance`: learned live per match
+length and source) emits 1 + sum_i p_1 * ... * p_i.
 
 Cost. C(B, N, h): one target forward over the N = sum_b (1 + draft_b) real positions of the B
 rows (the verify packs them: a row that drafts nothing costs one position, whatever the others
@@ -43,6 +42,9 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from specrl.spec.suffix_acceptance import SuffixAcceptance
+from specrl.spec.suffix_index import SuffixDraft
 
 HEAD, SUFFIX, NONE = "head", "suffix", ""
 PATIENCE = 4  # suffix tokens past the best rate tried before the planner stops adding them
@@ -172,7 +174,10 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
 @dataclass
 class DraftGuard:
     """Per batch size, what drafting really yields: tokens per second of the steps that drafted
-    against those that did not (moving averages over real steps; probes count in neither).
+    against those that did not, each the total tokens over the total seconds of its last `window`
+    real steps (probes count in neither). A ratio of sums, not a moving average of per-step rates:
+    a drafting step yields 1 to 17 tokens, and the average of per-step rates that this replaced let
+    four unlucky first drafts pause a suffix index that paid 1.2x over the same prompts.
 
     The planner's rate is a model (a calibrated curve, live acceptance); this is the measurement
     that keeps it honest. After `min_steps` drafting steps of B rows, plain steps of B rows are
@@ -183,12 +188,12 @@ class DraftGuard:
     `min_steps` drafting steps; each trial that still loses doubles the pause (up to `max_pause`),
     one that wins resets it. The cost of being wrong is bounded: min_steps losing steps a pause."""
 
-    min_steps: int = 4
+    min_steps: int = 8
+    window: int = 32
     refresh_every: int = 64
     min_pause: int = 32
     max_pause: int = 1024
-    smoothing: float = 0.25
-    _rates: dict[tuple[int, bool], tuple[float, int]] = field(default_factory=dict)  # (B, drafted) -> (tokens/s, n)
+    _recent: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (B, drafted) -> (tokens, seconds) of steps
     _last_plain: dict[int, int] = field(default_factory=dict)
     _paused_until: dict[int, int] = field(default_factory=dict)
     _pause: dict[int, int] = field(default_factory=dict)
@@ -198,22 +203,22 @@ class DraftGuard:
         """Whether drafting at this batch size may be planned now (False: pause, or a plain reference step)."""
         if self._steps < self._paused_until.get(batch, 0):
             return False
-        drafted = self._rates.get((batch, True), (0.0, 0))[1]
+        drafted = len(self._recent.get((batch, True), ()))
         stale = self.rate(batch, False) is None or self._steps - self._last_plain.get(batch, 0) >= self.refresh_every
         return not (drafted >= self.min_steps and stale)
 
     def rate(self, batch: int, drafted: bool) -> float | None:
         """Measured tokens/s of steps of `batch` rows that drafted (or not); None before min_steps."""
-        rate, n = self._rates.get((batch, drafted), (0.0, 0))
-        return rate if n >= self.min_steps else None
+        recent = self._recent.get((batch, drafted), ())
+        if len(recent) < self.min_steps:
+            return None
+        return sum(t for t, _ in recent) / sum(s for _, s in recent)
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         self._steps += 1
         if seconds <= 0:
             return
-        rate, n = self._rates.get((batch, drafted), (0.0, 0))
-        now = tokens / seconds
-        self._rates[(batch, drafted)] = (now if n == 0 else rate + self.smoothing * (now - rate), n + 1)
+        self._recent.setdefault((batch, drafted), deque(maxlen=self.window)).append((tokens, seconds))
         if not drafted:
             self._last_plain[batch] = self._steps
         plain, draft = self.rate(batch, False), self.rate(batch, True)
@@ -223,7 +228,7 @@ class DraftGuard:
             pause = self._pause.get(batch, self.min_pause)
             self._paused_until[batch] = self._steps + pause
             self._pause[batch] = min(2 * pause, self.max_pause)
-            del self._rates[(batch, True)]
+            del self._recent[(batch, True)]
         else:
             self._pause[batch] = self.min_pause
 
@@ -231,10 +236,10 @@ class DraftGuard:
 @dataclass
 class RowOffer:
     """What one sequence can take this step: at most `room` draft tokens (its max_tokens and
-    context left), and the suffix index's draft as cumulative confidences ([] for none)."""
+    context left), and the suffix index's draft (None: no index, or nothing to draft)."""
 
     room: int
-    suffix: list[float] = field(default_factory=list)
+    suffix: SuffixDraft | None = None
 
 
 @dataclass
@@ -263,7 +268,7 @@ class SpeculationController:
     def __init__(self, max_k: int, costs: CostModel | None = None, *, fixed_k: int | None = None,
                  initial_accept_rate: float = 0.5, decay: float = 0.9, probe_every: int = 16,
                  max_probe_every: int = 256, margin: float = 1.05, max_suffix: int = 16,
-                 initial_suffix_calibration: float = 0.5):
+                 suffix_acceptance: SuffixAcceptance | None = None):
         self.max_k, self.max_suffix = max_k, max_suffix
         self.margin = margin
         self.fixed_k = fixed_k  # the head always drafts this many (benchmarks, tests); None: choose
@@ -272,10 +277,8 @@ class SpeculationController:
         self.initial_accept_rate = initial_accept_rate
         self.decay = decay
         self.min_probe_every, self.max_probe_every = probe_every, max_probe_every
-        # s starts at 0.5 by default, with the weight of one drafted token: measured on SmolLM2's own
-        # answers with a cold index it settled at ~0.3, and a first step trusting s = 1 verified 16
-        # positions it did not pay for.
-        self._suffix_accepted, self._suffix_predicted = initial_suffix_calibration, 1.0
+        # Starts at 0.5 a unit of vote share: a first step trusting 1.0 verified 16 positions it did not pay for.
+        self.suffix_acceptance = suffix_acceptance or SuffixAcceptance()
         self.suffix_probe_every, self._steps_since_suffix = probe_every, 0
         self.reset()
 
@@ -292,11 +295,6 @@ class SpeculationController:
     def accept_rate(self) -> float:
         """The head's per-position acceptance rate (moving estimate)."""
         return self._accepted / self._tried
-
-    @property
-    def suffix_calibration(self) -> float:
-        """s: accepted suffix tokens over the sum of their cumulative confidences (moving estimate)."""
-        return self._suffix_accepted / self._suffix_predicted
 
     # ---- plan ---------------------------------------------------------------------------------
     def choose(self, batch: int, cap: int) -> int:
@@ -355,10 +353,7 @@ class SpeculationController:
 
     def _suffix_gains(self, row: RowOffer) -> list[float]:
         """gains[j]: expected accepted tokens of the row's suffix draft cut to j tokens (gains[0] = 0)."""
-        s, gains = self.suffix_calibration, [0.0]
-        for c in row.suffix[: min(row.room, self.max_suffix)]:
-            gains.append(gains[-1] + min(1.0, s * c))
-        return gains
+        return self.suffix_acceptance.gains(row.suffix, min(row.room, self.max_suffix))
 
     def _probe(self, plan: StepPlan, rows: list[RowOffer]) -> StepPlan:
         """The plan with the head drafting one token for one row the plan leaves without a draft:
@@ -387,19 +382,19 @@ class SpeculationController:
         """One finished head-only step of `batch` rows drafting k tokens each."""
         plan = StepPlan(k, k, [k] * batch, [HEAD if k else NONE] * batch,
                         probe=k > 0 and self._steps_since_draft + 1 >= self.probe_every)
-        self.observe_plan(plan, seconds, accepted, [[] for _ in range(batch)])
+        self.observe_plan(plan, seconds, accepted, [None] * batch)
 
-    def observe_plan(self, plan: StepPlan, seconds: float, accepted: list[int], suffix: list[list[float]]) -> None:
-        """One finished step: its plan, wall time, each row's accepted drafts, and the cumulative
-        confidences of each row's suffix draft (those of rows that used it are read)."""
+    def observe_plan(self, plan: StepPlan, seconds: float, accepted: list[int],
+                     suffix: list[SuffixDraft | None]) -> None:
+        """One finished step: its plan, wall time, each row's accepted drafts, and each row's suffix
+        draft as offered (those of rows that used it are read)."""
         batch = len(plan.lengths)
         if not (plan.probe or plan.suffix_probe):  # a probe drafts to learn, not at the cost it chose
             self.costs.observe_rows(batch, plan.rows, seconds, plan.head_k, len(plan.rows_of(HEAD)))
             self.guard.observe(batch, plan.width > 0, batch + sum(accepted), seconds)
         suffix_rows = plan.rows_of(SUFFIX)
-        for b in suffix_rows:  # s = accepted tokens per unit of (unscaled) confidence
-            self._suffix_accepted = self.decay * self._suffix_accepted + accepted[b]
-            self._suffix_predicted = self.decay * self._suffix_predicted + sum(suffix[b][: plan.lengths[b]])
+        for b in suffix_rows:
+            self.suffix_acceptance.observe(suffix[b], plan.lengths[b], accepted[b])
         if plan.suffix_probe:
             pays = any(accepted[b] for b in suffix_rows)
             self.suffix_probe_every = self.min_probe_every if pays else min(2 * self.suffix_probe_every,

@@ -45,7 +45,9 @@ may run on into the tokens drafted so far: a repeating loop keeps drafting); the
 token wins (ties: the token seen first, own before global, most recent first), its confidence is
 its votes / the occurrences that have a next token (a document's end has none); occurrences that
 disagree drop out. Drafting stops before the running product of confidences falls below
-`min_confidence`, when no occurrence is left, or at `max_tokens`.
+`min_confidence`, when no occurrence is left, or at `max_tokens`. A proposal (`SuffixDraft`) also
+names the longest match length among the voting occurrences and whether the request's own text
+is among them: how often its tokens are accepted depends on both (`suffix_acceptance.py`).
 
 Costs (n = context length, K = draft length, O = max_occurrences, M = max_match,
 R = len(orders)), measured with the C core at 10k documents of 300 tokens on one EPYC core:
@@ -66,6 +68,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Protocol, Sequence
 
 SEPARATOR = -1  # ring slot after each document; no token id equals it
@@ -110,6 +113,20 @@ def _check_tokens(tokens: Iterable[int]) -> list[int]:
         if not 0 <= t <= MAX_TOKEN:
             raise ValueError(f"token ids must be in [0, {MAX_TOKEN}], got {t}")
     return out
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    """One proposal: tokens [K] (target ids), confidences [K] (each token's vote share among the
+    occurrences still agreeing), match_length (context tokens the voting occurrences matched; 0: no
+    occurrence), own (the request's own context is among the voters). How often a token is accepted
+    rises with the match length and is higher for the own context's matches (controller's
+    `SuffixAcceptance`)."""
+
+    tokens: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    match_length: int = 0
+    own: bool = False
 
 
 class RequestContext(Protocol):
@@ -278,20 +295,23 @@ class _TwinIndex:
             p = self.prev[r][p % cap]
         return found
 
-    def propose(self, ctx: _TwinContext, max_tokens: int, min_confidence: float) -> tuple[list[int], list[float]]:
+    def propose(self, ctx: _TwinContext, max_tokens: int,
+                min_confidence: float) -> tuple[list[int], list[float], int, bool]:
         if ctx.owner is not self:
             raise ValueError("the context was made by another index (use that index's new_request())")
-        own, glob = self._match(ctx)
-        return self._draft(ctx, own, glob, max_tokens, min_confidence)
+        own, glob, match = self._match(ctx)
+        return (*self._draft(ctx, own, glob, max_tokens, min_confidence), match, bool(own))
 
-    def _match(self, ctx: _TwinContext) -> tuple[list[int], list[int]]:
-        """-> next-token positions of the own and global occurrences that vote: each source's
-        longest, the longer (own + own_bonus) wins, both on a tie."""
+    def _match(self, ctx: _TwinContext) -> tuple[list[int], list[int], int]:
+        """-> next-token positions of the own and global occurrences that vote (each source's
+        longest, the longer (own + own_bonus) wins, both on a tie), and the longest match among
+        the voting sources in context tokens (0: none)."""
         own_len, own = _longest(ctx.occurrences, len(self.params.orders))
         glob_len, glob = _longest(lambda r: self.occurrences(ctx, r), len(self.params.orders))
-        own_len = own_len + self.params.own_bonus if own else -1
-        best = max(own_len, glob_len)
-        return own if own_len == best else [], glob if glob_len == best else []
+        bonus_len = own_len + self.params.own_bonus if own else -1
+        best = max(bonus_len, glob_len)
+        own, glob = (own if bonus_len == best else []), (glob if glob_len == best else [])
+        return own, glob, glob_len if glob else own_len if own else 0
 
     def _draft(self, ctx: _TwinContext, own: list[int], glob: list[int], max_tokens: int,
                min_confidence: float) -> tuple[list[int], list[float]]:
@@ -395,12 +415,11 @@ class SuffixIndex:
         ctx.extend(tokens)
         return ctx
 
-    def propose(self, ctx: RequestContext, max_tokens: int,
-                min_confidence: float = 0.1) -> tuple[list[int], list[float]]:
-        """Draft up to max_tokens after ctx's tokens -> (token ids, confidence of each), both of
-        length K <= max_tokens; the running product of confidences stays >= min_confidence."""
+    def propose(self, ctx: RequestContext, max_tokens: int, min_confidence: float = 0.1) -> "SuffixDraft":
+        """Draft up to max_tokens after ctx's tokens: K <= max_tokens tokens, the running product of
+        their confidences >= min_confidence."""
         with self._lock:
-            return self._core.propose(ctx, max_tokens, min_confidence)
+            return SuffixDraft(*self._core.propose(ctx, max_tokens, min_confidence))
 
     @property
     def documents(self) -> int:

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from specrl.spec.controller import HEAD, NONE, SUFFIX, CostModel, RowOffer, SpeculationController, expected_tokens
+from specrl.spec.suffix_acceptance import SuffixAcceptance
+from specrl.spec.suffix_index import SuffixDraft
 
 TARGET_B1 = {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.8, 5: 2.0}
 DRAFT_B1 = 0.1
@@ -228,26 +230,32 @@ def wide_costs(batch: int = 1) -> CostModel:
 
 
 def trusting(*args, **kwargs) -> SpeculationController:
-    """A controller that takes the suffix index's confidences at face value (s = 1) until it learns otherwise."""
-    return SpeculationController(*args, initial_suffix_calibration=1.0, **kwargs)
+    """A controller that takes the suffix index's vote shares at face value (q = 1) until it learns otherwise."""
+    return SpeculationController(*args, suffix_acceptance=SuffixAcceptance(initial=1.0), **kwargs)
+
+
+def suffix(shares: list[float], match_length: int = 4, own: bool = False) -> SuffixDraft:
+    """A suffix draft with these vote shares (its tokens 0, 1, ...)."""
+    return SuffixDraft(list(range(len(shares))), list(shares), match_length, own)
 
 
 def test_a_confident_suffix_draft_is_taken_whole():
     ctl = trusting(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
-    plan = ctl.plan([RowOffer(20, [0.95] * 8)], head=True)
+    plan = ctl.plan([RowOffer(20, suffix([1.0] * 8))], head=True)
     assert (plan.width, plan.head_k, plan.lengths, plan.proposers) == (8, 0, [8], [SUFFIX])
 
 
 def test_an_unconfident_suffix_draft_is_cut_or_dropped():
     ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
-    assert ctl.plan([RowOffer(20, [0.9, 0.5, 0.05, 0.01])], head=True).lengths[0] in (1, 2)
-    assert ctl.plan([RowOffer(20, [0.01, 0.001])], head=True).proposers == [NONE]
+    assert ctl.plan([RowOffer(20, suffix([0.9, 0.6, 0.1, 0.2]))], head=True).lengths[0] in (1, 2)
+    assert ctl.plan([RowOffer(20, suffix([0.01, 0.1]))], head=True).proposers == [NONE]
+    assert ctl.plan([RowOffer(20, None)], head=True).proposers == [NONE]
 
 
 def test_each_row_takes_the_better_proposer():
     """Row 0 has a confident suffix draft; row 1 has none, and the head accepts well."""
     ctl = trusting(4, wide_costs(2), initial_accept_rate=0.95, probe_every=10 ** 6)
-    plan = ctl.plan([RowOffer(20, [0.99] * 6), RowOffer(20, [])], head=True)
+    plan = ctl.plan([RowOffer(20, suffix([1.0] * 6)), RowOffer(20, suffix([]))], head=True)
     assert plan.proposers == [SUFFIX, HEAD]
     assert plan.lengths[0] == plan.width >= plan.lengths[1] == plan.head_k > 0
     assert plan.rows == 2 + plan.lengths[0] + plan.lengths[1]  # packed: each row its own length
@@ -256,26 +264,27 @@ def test_each_row_takes_the_better_proposer():
 
 def test_room_caps_suffix_drafts():
     ctl = trusting(4, wide_costs(), initial_accept_rate=0.0, probe_every=10 ** 6)
-    assert ctl.plan([RowOffer(3, [0.99] * 10)], head=False).lengths == [3]
-    assert ctl.plan([RowOffer(0, [0.99] * 10)], head=False).proposers == [NONE]
+    assert ctl.plan([RowOffer(3, suffix([1.0] * 10))], head=False).lengths == [3]
+    assert ctl.plan([RowOffer(0, suffix([1.0] * 10))], head=False).proposers == [NONE]
 
 
 def test_without_a_head_only_the_suffix_or_nothing_drafts():
     ctl = SpeculationController(0, wide_costs(), initial_accept_rate=0.9, probe_every=2)
     for _ in range(5):  # no probes without a head
-        plan = ctl.plan([RowOffer(20, [])], head=False)
+        plan = ctl.plan([RowOffer(20, None)], head=False)
         assert plan.proposers == [NONE] and plan.width == 0
-        ctl.observe_plan(plan, 1.0, [0], [[]])
+        ctl.observe_plan(plan, 1.0, [0], [None])
 
 
-def test_suffix_calibration_follows_live_acceptance():
-    ctl = trusting(4, wide_costs(), initial_accept_rate=0.0, probe_every=4, max_probe_every=64, decay=0.5)
-    offer = [RowOffer(20, [0.9] * 8)]
+def test_suffix_acceptance_follows_live_acceptance():
+    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.0, probe_every=4, max_probe_every=64,
+                                suffix_acceptance=SuffixAcceptance(initial=1.0, decay=0.5, pooled_decay=0.5))
+    offer = [RowOffer(20, suffix([0.9] * 8))]
     assert ctl.plan(offer, head=False).lengths == [8]
     for _ in range(20):  # confident drafts that are always rejected at once
         plan = ctl.plan(offer, head=False)
         ctl.observe_plan(plan, WIDE[plan.width + 1] if plan.width + 1 in WIDE else 1.5, [0], [offer[0].suffix])
-    assert ctl.suffix_calibration < 0.1
+    assert ctl.suffix_acceptance.pooled < 0.1
     plans = []
     for _ in range(200):  # rejected probes back off: one token, ever more rarely
         plan = ctl.plan(offer, head=False)
@@ -286,6 +295,35 @@ def test_suffix_calibration_follows_live_acceptance():
         plan = ctl.plan(offer, head=False)
         ctl.observe_plan(plan, 1.0, [plan.lengths[0]], [offer[0].suffix])
     assert ctl.plan(offer, head=False).lengths == [8]
+
+
+def test_long_own_matches_keep_drafting_while_short_global_ones_stop():
+    """Live traffic where the request's own text with a long match is always right and another
+    request's 2-token match always wrong: the acceptance model learns it per cell, so one kind of
+    failure does not stop the other kind of draft (one scale for both did)."""
+    ctl = SpeculationController(0, wide_costs(2), probe_every=10 ** 6)
+    good, bad = suffix([1.0] * 12, match_length=30, own=True), suffix([1.0] * 12, match_length=2)
+    for _ in range(60):
+        plan = ctl.plan([RowOffer(100, good), RowOffer(100, bad)], head=False)
+        ctl.observe_plan(plan, ctl.costs._prior(2, plan.rows, 0, 0), [plan.lengths[0], 0], [good, bad])
+    plan = ctl.plan([RowOffer(100, good), RowOffer(100, bad)], head=False)
+    assert plan.lengths == [12, 0]
+    assert min(ctl.suffix_acceptance.probabilities(good)) > 0.95  # one scale for both: 0.5
+    assert ctl.suffix_acceptance.probabilities(bad)[0] < 0.5
+
+
+def test_suffix_acceptance_counts_only_the_tried_tokens():
+    """After a draft's first rejection its tokens were never compared: they count neither way."""
+    acceptance = SuffixAcceptance(initial=0.5, shrink=0.0)
+    draft = suffix([1.0] * 8, match_length=8, own=True)
+    for _ in range(50):
+        acceptance.observe(draft, 8, 2)  # two accepted, the third rejected, five never tried
+    assert acceptance.scale(True, 8) == pytest.approx(1.0)  # tokens 0 and 1: effective match 8, 9 (cell 6-9)
+    assert acceptance.scale(True, 10) == pytest.approx(0.0, abs=1e-9)  # token 2 (cell 10-17), and no later token
+    assert acceptance.scale(False, 8) == pytest.approx(acceptance.pooled) == pytest.approx(100 / 150, rel=0.02)
+    probabilities = SuffixAcceptance(initial=0.5).probabilities(suffix([1.0, 0.5], match_length=3))
+    assert probabilities == [pytest.approx(0.5), pytest.approx(0.25)]
+    assert SuffixAcceptance().gains(suffix([1.0, 1.0]), 1) == [0.0, pytest.approx(0.5)]
 
 
 # ---- the guard: drafting answers to measured tokens per second ---------------------------------
@@ -305,7 +343,7 @@ def test_drafting_steps_that_run_slower_than_modelled_stop_drafting():
     accepted), but the machine runs drafting steps at a third of the modelled speed: drafting
     must stop after a few steps, though plain steps run exactly as modelled."""
     ctl = trusting(0, wide_costs(2), probe_every=10 ** 6)
-    offer = [RowOffer(100, [0.9] * 8), RowOffer(100, [0.9] * 8)]
+    offer = [RowOffer(100, suffix([1.0] * 8)), RowOffer(100, suffix([1.0] * 8))]
 
     def seconds(plan):  # a plain step costs 1.0 as modelled; a drafting step 3x its model
         return 1.0 if plan.width == 0 else 3.0 * ctl.costs._prior(2, plan.rows, 0, 0)
@@ -324,7 +362,7 @@ def test_drafting_steps_that_run_slower_than_modelled_stop_drafting():
 def test_drafting_that_measures_faster_is_never_paused():
     """Drafting steps run as modelled and pay: only the plain reference steps interrupt them."""
     ctl = trusting(0, wide_costs(2), probe_every=10 ** 6)
-    offer = [RowOffer(100, [0.9] * 8), RowOffer(100, [0.9] * 8)]
+    offer = [RowOffer(100, suffix([1.0] * 8)), RowOffer(100, suffix([1.0] * 8))]
     plans = _run_steps(ctl, offer, 400, lambda plan: ctl.costs._prior(2, plan.rows, 0, 0),
                        lambda plan: [n // 2 for n in plan.lengths])
     plain = sum(p.width == 0 for p in plans)

@@ -25,6 +25,12 @@ def index(native, capacity=10_000, **kwargs) -> SuffixIndex:
     return SuffixIndex(capacity, native=native, **kwargs)
 
 
+def proposal(ix: SuffixIndex, ctx, max_tokens: int, min_confidence: float) -> tuple[list[int], list[float]]:
+    """-> (tokens, confidences) of ix's proposal."""
+    draft = ix.propose(ctx, max_tokens, min_confidence)
+    return draft.tokens, draft.confidences
+
+
 def test_orders():
     assert orders_for(2, 32) == (2, 32)
     assert orders_for(4, 4) == (4,)
@@ -36,7 +42,7 @@ def test_most_frequent_continuation_and_confidence(native):
     ix = index(native)
     for key, doc in enumerate([[1, 2, 3, 7], [5, 2, 3, 7], [6, 2, 3, 8], [9, 2, 3, 7, 4]]):
         ix.add(key, doc)
-    tokens, conf = ix.propose(ix.new_request([0, 2, 3]), 8, 0.1)
+    tokens, conf = proposal(ix, ix.new_request([0, 2, 3]), 8, 0.1)
     assert tokens == [7, 4]
     assert conf == [pytest.approx(3 / 4), 1.0]  # 7 from 3 of 4 occurrences; then only one has a next token
 
@@ -46,8 +52,21 @@ def test_longest_match_wins(native):
     ix.add("long", [1, 2, 3, 4, 50])  # the suffix 2 3 4 matches 3 tokens here
     for key in range(5):
         ix.add(key, [9, 3, 4, 60])  # ... and only 2 tokens here, five times
-    assert ix.propose(ix.new_request([2, 3, 4]), 4, 0.1) == ([50], [1.0])
-    assert ix.propose(ix.new_request([7, 3, 4]), 4, 0.1) == ([60], [pytest.approx(5 / 6)])  # all six at 2
+    assert proposal(ix, ix.new_request([2, 3, 4]), 4, 0.1) == ([50], [1.0])
+    assert proposal(ix, ix.new_request([7, 3, 4]), 4, 0.1) == ([60], [pytest.approx(5 / 6)])  # all six at 2
+
+
+def test_a_proposal_names_its_match_length_and_source(native):
+    ix = index(native, own_bonus=2)
+    ix.add("doc", [1, 2, 3, 4, 50])
+    draft = ix.propose(ix.new_request([9, 2, 3, 4]), 4, 0.1)
+    assert (draft.tokens, draft.match_length, draft.own) == ([50], 3, False)
+    draft = ix.propose(ix.new_request([8, 5, 6, 7, 8, 5, 6]), 4, 0.1)  # "8 5 6" occurred in its own text
+    assert (draft.tokens[:2], draft.match_length, draft.own) == ([7, 8], 3, True)
+    ctx = ix.new_request([3, 4, 61, 3, 4])  # own "3 4" (2 + bonus 2) beats the document's "3 4" (2)
+    assert (ix.propose(ctx, 1, 0.1).tokens, ix.propose(ctx, 1, 0.1).own) == ([61], True)
+    empty = ix.propose(ix.new_request([70, 71]), 4, 0.1)
+    assert (empty.tokens, empty.match_length, empty.own) == ([], 0, False)
 
 
 def test_longest_match_is_found_beyond_the_occurrence_cap_of_shorter_grams(native):
@@ -56,7 +75,7 @@ def test_longest_match_is_found_beyond_the_occurrence_cap_of_shorter_grams(nativ
     ix.add("old", [10, 11, 12, 13, 77])
     for key in range(20):
         ix.add(key, [key + 100, 12, 13, 88])
-    assert ix.propose(ix.new_request([10, 11, 12, 13]), 2, 0.1) == ([77], [1.0])
+    assert proposal(ix, ix.new_request([10, 11, 12, 13]), 2, 0.1) == ([77], [1.0])
 
 
 @pytest.mark.parametrize("dead_ends, found", [(3, True), (4, False)])
@@ -67,7 +86,7 @@ def test_chain_walk_gives_up_after_four_steps_per_occurrence(native, dead_ends, 
     ix.add("old", [2, 3, 9])
     for key in range(dead_ends):
         ix.add(key, [key + 10, 2, 3])
-    assert ix.propose(ix.new_request([1, 2, 3]), 1, 0.1) == (([9], [1.0]) if found else ([], []))
+    assert proposal(ix, ix.new_request([1, 2, 3]), 1, 0.1) == (([9], [1.0]) if found else ([], []))
 
 
 def test_stops_when_confidence_product_falls_below_threshold(native):
@@ -75,24 +94,24 @@ def test_stops_when_confidence_product_falls_below_threshold(native):
     ix.add(0, [1, 2, 3, 4, 5])
     ix.add(1, [1, 2, 3, 6, 7])
     ctx = ix.new_request([1, 2, 3])
-    assert ix.propose(ctx, 8, 0.5) == ([6, 7], [0.5, 1.0])  # tie -> the most recent document
-    assert ix.propose(ctx, 8, 0.51) == ([], [])
-    assert ix.propose(ctx, 1, 0.1) == ([6], [0.5])  # max_tokens
-    assert ix.propose(ctx, 0, 0.1) == ([], [])
+    assert proposal(ix, ctx, 8, 0.5) == ([6, 7], [0.5, 1.0])  # tie -> the most recent document
+    assert proposal(ix, ctx, 8, 0.51) == ([], [])
+    assert proposal(ix, ctx, 1, 0.1) == ([6], [0.5])  # max_tokens
+    assert proposal(ix, ctx, 0, 0.1) == ([], [])
 
 
 def test_own_context_matches_and_runs_on_into_its_draft(native):
     ix = index(native, capacity=0)  # the global index off: own context only
     ctx = ix.new_request([5, 6, 7, 5, 6])
-    assert ix.propose(ctx, 5, 0.1) == ([7, 5, 6, 7, 5], [1.0] * 5)  # a loop keeps drafting
+    assert proposal(ix, ctx, 5, 0.1) == ([7, 5, 6, 7, 5], [1.0] * 5)  # a loop keeps drafting
 
 
 def test_never_the_self_match(native):
     ix = index(native, capacity=0)
-    assert ix.propose(ix.new_request([1, 2, 3]), 4, 0.1) == ([], [])
+    assert proposal(ix, ix.new_request([1, 2, 3]), 4, 0.1) == ([], [])
     ctx = ix.new_request([1, 2])
     ctx.extend([1, 2])  # 1 2 occurred once before the suffix: proposes what followed it
-    assert ix.propose(ctx, 1, 0.1) == ([1], [1.0])
+    assert proposal(ix, ctx, 1, 0.1) == ([1], [1.0])
 
 
 @pytest.mark.parametrize("doc, context, bonus, expected", [
@@ -104,15 +123,15 @@ def test_never_the_self_match(native):
 def test_own_context_match_counts_own_bonus_tokens_longer(native, doc, context, bonus, expected):
     ix = index(native, own_bonus=bonus)
     ix.add(0, doc)
-    assert ix.propose(ix.new_request(context), 1, 0.1) == expected
+    assert proposal(ix, ix.new_request(context), 1, 0.1) == expected
 
 
 def test_documents_do_not_run_into_each_other(native):
     ix = index(native)
     ix.add(0, [1, 2])
     ix.add(1, [3, 4])
-    assert ix.propose(ix.new_request([1, 2]), 4, 0.1) == ([], [])  # 1 2 ends its document
-    assert ix.propose(ix.new_request([2, 3]), 4, 0.1) == ([], [])  # "2 3" spans two documents
+    assert proposal(ix, ix.new_request([1, 2]), 4, 0.1) == ([], [])  # 1 2 ends its document
+    assert proposal(ix, ix.new_request([2, 3]), 4, 0.1) == ([], [])  # "2 3" spans two documents
 
 
 def test_max_match_caps_the_extension(native):
@@ -120,7 +139,7 @@ def test_max_match_caps_the_extension(native):
     ix.add(0, [1, 2, 3, 4, 5, 6, 70])  # matches 5 tokens of the context, counted as 4
     for key in range(3):
         ix.add(key + 1, [9, 3, 4, 5, 6, 80])  # 4 tokens
-    assert ix.propose(ix.new_request([1, 2, 3, 4, 5, 6]), 1, 0.1) == ([80], [0.75])
+    assert proposal(ix, ix.new_request([1, 2, 3, 4, 5, 6]), 1, 0.1) == ([80], [0.75])
 
 
 # ---- the index: eviction, dedupe, zero capacity, bounds ------------------------------------------
@@ -132,9 +151,9 @@ def test_eviction_oldest_first_and_evicted_never_proposed(native):
     assert (ix.documents, ix.tokens, ix.evicted) == (2, 10, 0)
     ix.add("c", [21, 22, 23, 24, 25])
     assert (ix.documents, ix.tokens, ix.evicted) == (2, 10, 1)
-    assert ix.propose(ix.new_request([1, 2]), 3, 0.1) == ([], [])
-    assert ix.propose(ix.new_request([11, 12]), 3, 0.1) == ([13, 14, 15], [1.0] * 3)
-    assert ix.propose(ix.new_request([21, 22]), 3, 0.1) == ([23, 24, 25], [1.0] * 3)
+    assert proposal(ix, ix.new_request([1, 2]), 3, 0.1) == ([], [])
+    assert proposal(ix, ix.new_request([11, 12]), 3, 0.1) == ([13, 14, 15], [1.0] * 3)
+    assert proposal(ix, ix.new_request([21, 22]), 3, 0.1) == ([23, 24, 25], [1.0] * 3)
 
 
 def test_overwritten_slots_are_not_read_as_old_documents(native):
@@ -150,7 +169,7 @@ def test_overwritten_slots_are_not_read_as_old_documents(native):
         kept = docs[len(docs) - ix.documents:]
         assert ix.tokens == sum(len(d) for d in kept)
         ctx = ix.new_request([rng.randrange(6) for _ in range(2)])  # too short to match itself
-        draft, _ = ix.propose(ctx, 4, 0.0)
+        draft, _ = proposal(ix, ctx, 4, 0.0)
         if draft:
             drafted += 1
             assert any(_contains(d, ctx.tolist() + draft) for d in kept)
@@ -166,8 +185,8 @@ def test_long_document_keeps_its_tail_within_capacity(native):
     ix.add("small", [1, 2, 3])
     ix.add("huge", list(range(100_000)))
     assert (ix.documents, ix.tokens, ix.evicted) == (1, 999, 1)
-    assert ix.propose(ix.new_request([99_001, 99_002]), 3, 0.1) == ([99_003, 99_004, 99_005], [1.0] * 3)
-    assert ix.propose(ix.new_request([5, 6]), 3, 0.1) == ([], [])
+    assert proposal(ix, ix.new_request([99_001, 99_002]), 3, 0.1) == ([99_003, 99_004, 99_005], [1.0] * 3)
+    assert proposal(ix, ix.new_request([5, 6]), 3, 0.1) == ([], [])
 
 
 def test_dedupe_by_key(native):
@@ -175,7 +194,7 @@ def test_dedupe_by_key(native):
     assert ix.add("r1", [1, 2, 3])
     assert not ix.add("r1", [1, 2, 4])
     assert (ix.documents, ix.duplicates) == (1, 1)
-    assert ix.propose(ix.new_request([1, 2]), 2, 0.1) == ([3], [1.0])
+    assert proposal(ix, ix.new_request([1, 2]), 2, 0.1) == ([3], [1.0])
     ix.add("r2", [7])
     ix.add("r3", [8])  # the window holds 2 keys: r1 is forgotten
     assert ix.add("r1", [1, 2, 3])
@@ -186,7 +205,7 @@ def test_zero_capacity_is_off(native):
     ix = index(native, capacity=0)
     ix.add("a", [1, 2, 3, 4])
     assert (ix.documents, ix.tokens, ix.evicted) == (0, 0, 0)
-    assert ix.propose(ix.new_request([1, 2]), 4, 0.1) == ([], [])
+    assert proposal(ix, ix.new_request([1, 2]), 4, 0.1) == ([], [])
 
 
 def test_adversarial_repetition_stays_bounded(native):
@@ -197,7 +216,7 @@ def test_adversarial_repetition_stays_bounded(native):
     assert ix.tokens + ix.documents <= 30_000
     assert ix.documents == 30_000 // 301
     ctx = ix.new_request(prompt[:100])
-    assert ix.propose(ctx, 16, 0.1) == (prompt[100:116], [1.0] * 16)
+    assert proposal(ix, ctx, 16, 0.1) == (prompt[100:116], [1.0] * 16)
 
 
 def test_rejects_bad_tokens_and_foreign_contexts(native):
@@ -260,6 +279,6 @@ def test_extension_equals_twin(seed, vocab, repeat, capacity, max_occ):
             got = c.propose(ctx_c, k, threshold)
             assert got == py.propose(ctx_py, k, threshold)
             compared += 1
-            drafted += len(got[0])
+            drafted += len(got.tokens)
     assert ctx_c.tolist() == ctx_py.tolist()
     assert drafted > compared // 4  # the workload drafts, so equality means something

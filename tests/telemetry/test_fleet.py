@@ -40,7 +40,7 @@ def wait_for(condition, timeout=10.0):
 
 
 def drafts(index: SuffixIndex) -> list[int]:
-    return index.propose(index.new_request(PROMPT + ANSWER[:2]), 8, 0.1)[0]
+    return index.propose(index.new_request(PROMPT + ANSWER[:2]), 8, 0.1).tokens
 
 
 @pytest.mark.redis

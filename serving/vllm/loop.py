@@ -71,7 +71,9 @@ class VllmLoop:
         self.target_version = settings.target_version
         self.drafter_version = settings.drafter_version if has_drafter else "none"
         self.stats = EngineStats()
-        self.telemetry = Telemetry()
+        # None without a sink (no Redis URL), as on the native backend: /metrics then shows no
+        # telemetry counters, and the watchdog never wakes the worker to read them
+        self.telemetry = Telemetry() if worker_options.get("redis_url") else None
         self.engine = None
         self.error: BaseException | None = None
         self.on_death: Callable[[], None] | None = None
@@ -244,7 +246,7 @@ class VllmLoop:
             now = time.monotonic()
             if self._tasks:
                 active = now
-            if now - active < TELEMETRY_TAIL_S or now - refreshed > TELEMETRY_IDLE_S:
+            if self.telemetry is not None and (now - active < TELEMETRY_TAIL_S or now - refreshed > TELEMETRY_IDLE_S):
                 refreshed = now
                 try:
                     [reply] = await asyncio.wait_for(self.engine.collective_rpc("specrl_telemetry"), timeout=30)

@@ -58,7 +58,7 @@ from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
 
 NATIVE_PLAIN, NATIVE_SPEC, HF = "native_plain", "native_spec", "hf_generate"
-NATIVE_ROUNDS = 5  # timed runs per native engine and batch size, plain and speculative in turn
+ROUNDS = 5  # timed runs per engine and batch size, the engines of a ratio in turn (native; vLLM's per dtype)
 CURVE_BATCHES, CURVE_POSITIONS = (1, 4, 8), (1, 2, 3, 5, 9, 17)
 RSS_HEADROOM = 1.25  # peak RSS of the engines <= (model + KV caches) x this
 # (ratio name, metric, numerator engine, denominator engine), per batch size when both were measured
@@ -157,7 +157,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
         for b in batch_sizes:
             runs = {name: (lambda engine=engine: _native_run(engine, prompts[:b], params))
                     for name, engine in ((NATIVE_PLAIN + suffix, plain), (NATIVE_SPEC + suffix, spec))}
-            rows += [{**row, "dtype": dtype} for row in _measure_alternately(runs, b)]
+            rows += [{**row, "dtype": dtype} for row in measure_alternately(runs, b)]
         _progress(f"forward cost curve ({dtype})")
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
         if memory is None:  # float32 first: the memory limit is its
@@ -258,15 +258,15 @@ def batch_stats(tokens: list[int], first_token_s: list[float | None], specs: lis
     return stats
 
 
-def _measure_alternately(runs: dict[str, Callable[[], dict]], batch_size: int) -> list[dict]:
-    """Warm every run up once, then time NATIVE_ROUNDS rounds of all of them in turn -> per run the
+def measure_alternately(runs: dict[str, Callable[[], dict]], batch_size: int) -> list[dict]:
+    """Warm every run up once, then time ROUNDS rounds of all of them in turn -> per run the
     `timed_row` of its median-time round. A load spike from another process then falls on both sides
     of a ratio alike, or on one round of it (on the AVX2 EPYC, plain B=1 read 47-66 tok/s from run
     to run; three rounds gave an untrained drafter 0.90x that six alternating rounds put at 0.99x)."""
     for run in runs.values():
         run()
     timed: dict[str, list[tuple[float, dict]]] = {name: [] for name in runs}
-    for _ in range(NATIVE_ROUNDS):
+    for _ in range(ROUNDS):
         for name, run in runs.items():
             started = time.perf_counter()
             stats = run()

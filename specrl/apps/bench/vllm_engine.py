@@ -12,9 +12,12 @@ drafter exactly, telemetry off) and drives it through the serving loop's own `su
 vLLM runs as it always does, its engine core in a process of its own beside the front-end
 process; its model worker gets the bench's thread count, unpinned (`backends.vllm_env`).
 
-One child per configuration: vLLM plain (`drafter none`) and vLLM with the drafter (the
-configured one, else the day-0 head with the native rows' seed: the same weights), each
-warmed up and timed once per batch size like the native rows. The child's weights store is
+One child per dtype, holding both engines: vLLM plain (`drafter none`) and vLLM with the
+drafter (the configured one, else the day-0 head with the native rows' seed: the same weights),
+each its own AsyncLLM with its own engine core process, started one after the other. Per batch
+size both are warmed up, then timed in alternating rounds like the native rows
+(`engine.measure_alternately`): measured one child after the other, vLLM speculative over plain
+read 0.80x in one run and 1.03x in the next on the same machine. The child's weights store is
 an empty temporary directory, so the base model serves in both.
 
     python -m specrl.apps.bench.vllm_engine JOB.json ROWS.json   (JOB: written by `vllm_rows`)
@@ -43,8 +46,8 @@ VLLM_PLAIN, VLLM_SPEC = "vllm_plain", "vllm_spec"
 # ---- the bench process ---------------------------------------------------------------------
 def vllm_rows(settings: Settings, drafter: str, prompts: list[list[int]], batch_sizes: list[int], new_tokens: int,
               threads: int, log_dir: Path, dtypes: tuple[str, ...] = ("float32",)) -> list[dict]:
-    """Run vLLM plain, then vLLM with `drafter`, each in a child process, in each of `dtypes`
-    (rows of another dtype than float32 are named with its suffix, DTYPE_SUFFIX). -> their rows
+    """Run vLLM plain beside vLLM with `drafter`, one child process per dtype of `dtypes` (rows of
+    another dtype than float32 are named with its suffix, DTYPE_SUFFIX). -> their rows
     (`engine.timed_row` rows plus `startup_s` and `dtype`); the children's logs go to `log_dir`."""
     from specrl.apps.bench.backends import settings_record, vllm_env
 
@@ -52,15 +55,15 @@ def vllm_rows(settings: Settings, drafter: str, prompts: list[list[int]], batch_
     log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specrl-bench-vllm-") as tmp:
         env = {**os.environ, **vllm_env(threads), "TMPDIR": tmp}  # its exported drafters are removed with tmp
-        for dtype, (name, drafter_setting) in ((d, e) for d in dtypes for e in ((VLLM_PLAIN, "none"), (VLLM_SPEC, drafter))):
-            name += DTYPE_SUFFIX[dtype]
-            child = settings.replace(drafter=drafter_setting, store=str(Path(tmp) / "store"), redis_url="",
-                                     threads=threads, dtype=dtype)
-            job, out = Path(tmp) / f"{name}.json", Path(tmp) / f"{name}-rows.json"
-            job.write_text(json.dumps({"engine": name, "settings": settings_record(child), "prompts": prompts,
-                                       "batch_sizes": batch_sizes, "new_tokens": new_tokens}))
+        for dtype in dtypes:
+            engines = {name + DTYPE_SUFFIX[dtype]: settings_record(settings.replace(
+                drafter=drafter_setting, store=str(Path(tmp) / "store"), redis_url="", threads=threads, dtype=dtype))
+                for name, drafter_setting in ((VLLM_PLAIN, "none"), (VLLM_SPEC, drafter))}
+            job, out = Path(tmp) / f"vllm-{dtype}.json", Path(tmp) / f"vllm-{dtype}-rows.json"
+            job.write_text(json.dumps({"engines": engines, "prompts": prompts, "batch_sizes": batch_sizes,
+                                       "new_tokens": new_tokens}))
             _run_child([sys.executable, "-m", "specrl.apps.bench.vllm_engine", str(job), str(out)], env,
-                       log_dir / f"{name}.log")
+                       log_dir / f"vllm-{dtype}.log")
             rows += [{**row, "dtype": dtype} for row in json.loads(out.read_text())]
     return rows
 
@@ -82,35 +85,40 @@ def _run_child(cmd: list[str], env: dict, log: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     job_path, out_path = argv if argv is not None else sys.argv[1:]
     job = json.loads(Path(job_path).read_text())
-    settings = Settings.load(env={}, **job["settings"])
-    rows = asyncio.run(_measure(job["engine"], settings, job["prompts"], job["batch_sizes"], job["new_tokens"]))
+    engines = {name: Settings.load(env={}, **record) for name, record in job["engines"].items()}
+    rows = _measure(engines, job["prompts"], job["batch_sizes"], job["new_tokens"])
     Path(out_path).write_text(json.dumps(rows))
     return 0
 
 
-async def _measure(name: str, settings: Settings, prompts: list[list[int]], batch_sizes: list[int],
-                   new_tokens: int) -> list[dict]:
-    """Start the engine; per batch size one warm-up run and one timed run -> rows."""
-    from specrl.apps.bench.engine import timed_row
+def _measure(engines: dict[str, Settings], prompts: list[list[int]], batch_sizes: list[int],
+             new_tokens: int) -> list[dict]:
+    """Start every engine (one event loop serves them all; it runs only while a batch is timed),
+    then per batch size measure them alternately -> rows."""
+    from specrl.apps.bench.engine import measure_alternately
     from specrl.serving.vllm.build import build_vllm_loop
     from specrl.weights import WeightsStore
 
-    started = time.perf_counter()
-    loop = build_vllm_loop(settings, WeightsStore(settings.store_path))
-    await loop.ready()
-    startup_s = time.perf_counter() - started
-    print(f"bench engine={name} vllm_ready seconds={startup_s:.1f}", file=sys.stderr, flush=True)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    rows = []
+    events = asyncio.new_event_loop()
+    loops, startup_s = {}, {}
     try:
+        for name, settings in engines.items():
+            started = time.perf_counter()
+            loops[name] = build_vllm_loop(settings, WeightsStore(settings.store_path))
+            events.run_until_complete(loops[name].ready())
+            startup_s[name] = time.perf_counter() - started
+            print(f"bench engine={name} vllm_ready seconds={startup_s[name]:.1f}", file=sys.stderr, flush=True)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        rows = []
         for b in batch_sizes:
-            await _batch(loop, prompts[:b], params)
-            begun = time.perf_counter()
-            stats = await _batch(loop, prompts[:b], params)
-            rows.append({**timed_row(name, b, time.perf_counter() - begun, stats), "startup_s": startup_s})
+            runs = {name: (lambda loop=loop: events.run_until_complete(_batch(loop, prompts[:b], params)))
+                    for name, loop in loops.items()}
+            rows += [{**row, "startup_s": startup_s[row["engine"]]} for row in measure_alternately(runs, b)]
+        return rows
     finally:
-        loop.stop(timeout=10)
-    return rows
+        for loop in loops.values():
+            loop.stop(timeout=10)
+        events.close()
 
 
 async def _batch(loop, prompts: list[list[int]], params: SamplingParams) -> dict:

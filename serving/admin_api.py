@@ -73,7 +73,7 @@ async def _swap(request: Request, role: str, version: str, mode: str) -> dict:
     state = request.app.state
     check_swap(role, mode)
     if role == "drafter" and not state.loop.has_drafter:
-        raise SwapError("this server runs without a drafter (--drafter none)")
+        raise SwapError(state.loop.no_drafter_reason)
     if state.swap_lock.locked():
         raise SwapInProgressError("another swap is loading; retry when it is done")
     async with state.swap_lock:

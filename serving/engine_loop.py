@@ -19,6 +19,7 @@ from specrl.engine.sequence import Sequence
 from specrl.engine.swap import SwapRequest, SwapResult, load_swap
 from specrl.errors import EngineUnavailableError
 from specrl.models.compute_threads import release_compute_threads
+from specrl.serving.loop import NO_DRAFTER
 from specrl.spec.sampling import SamplingParams
 from specrl.telemetry.fleet import FleetFeed
 from specrl.telemetry.redis_sink import RedisSink
@@ -101,6 +102,8 @@ class EngineLoop:
     @property
     def has_drafter(self) -> bool:
         return self.engine.drafter is not None
+
+    no_drafter_reason = NO_DRAFTER
 
     @property
     def stats(self):

@@ -15,6 +15,8 @@ from specrl.engine.swap import SwapResult
 from specrl.spec.sampling import SamplingParams
 from specrl.telemetry.sink import SinkCounters
 
+NO_DRAFTER = "this server runs without a drafter (--drafter none)"
+
 
 class ServingLoop(Protocol):
     tokenizer: object
@@ -22,6 +24,7 @@ class ServingLoop(Protocol):
     target_version: str
     drafter_version: str
     has_drafter: bool
+    no_drafter_reason: str  # why has_drafter is False: what a refused drafter swap answers
     stats: EngineStats
     telemetry: SinkCounters | None  # counters of the records this backend writes (None: it writes none)
     error: BaseException | None

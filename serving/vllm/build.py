@@ -12,6 +12,7 @@ from specrl.models.calibration import AMX_FLAGS, NATIVE_BF16_FLAGS, cpu_info, re
 from specrl.spec.controller import CostModel, SpeculationController, expected_tokens
 from specrl.engine.start import DAY0, StartWeights, build_drafter, start_weights
 from specrl.serving.vllm import check_version
+from specrl.serving.loop import NO_DRAFTER
 from specrl.serving.vllm.loop import VllmLoop
 from specrl.weights import WeightsStore
 
@@ -30,16 +31,22 @@ def build_vllm_loop(settings: Settings, store: WeightsStore) -> VllmLoop:
     start = start_weights(settings, base, store)
     model_dir, drafter_dir, drafter_version = start.policy_dir, _drafter_dir(start, settings, base), start.drafter_version
     settings = settings.replace(target_version=start.policy_version, drafter_version=drafter_version)
+    schedule, no_drafter_reason = None, NO_DRAFTER
+    if drafter_dir and settings.fixed_draft_tokens >= 0:  # benchmarks and tests: the same k at every batch size
+        schedule = [(1, settings.max_batch, settings.fixed_draft_tokens)]
+    elif drafter_dir:
+        schedule = measured_schedule(settings, model_dir, drafter_dir, store, drafter_version)
+        if not drafts_anywhere(schedule):
+            no_drafter_reason = (f"speculation is off on this vLLM server: drafter {drafter_version} pays at no batch "
+                                 f"size by the measured costs (schedule {schedule}, fixed at start); restart it to "
+                                 f"serve a trained drafter")
+            log.info("event=vllm_speculation_off drafter=%s schedule=%s", drafter_version, schedule)
+            drafter_dir, drafter_version, schedule = None, "none", None
     eagle_dir = None
     if drafter_dir is not None:
         eagle_dir = Path(tempfile.mkdtemp(prefix="specrl-eagle-"))
         export_vllm(drafter_dir, model_dir, eagle_dir)
     dtype, dtype_reason = vllm_dtype(settings.dtype, cpu_info()[1])
-    schedule = None
-    if drafter_dir and settings.fixed_draft_tokens >= 0:  # benchmarks and tests: the same k at every batch size
-        schedule = [(1, settings.max_batch, settings.fixed_draft_tokens)]
-    elif drafter_dir:
-        schedule = measured_schedule(settings, model_dir, drafter_dir, store, drafter_version)
     args = engine_args(settings, model_dir, base, eagle_dir, dtype, schedule)
     options = {"model_dir": str(model_dir), "drafter_dir": str(drafter_dir) if drafter_dir else None,
                "eagle_dir": str(eagle_dir) if eagle_dir else None, "redis_url": settings.redis_url,
@@ -50,7 +57,8 @@ def build_vllm_loop(settings: Settings, store: WeightsStore) -> VllmLoop:
              dtype_reason, schedule)
     return VllmLoop(args, AutoTokenizer.from_pretrained(base), settings, worker_options=options,
                     has_drafter=drafter_dir is not None, vocab_size=LlamaConfig.from_dir(model_dir).vocab_size,
-                    info={"backend": "vllm", "dtype": args.dtype, "dtype_reason": dtype_reason})
+                    info={"backend": "vllm", "dtype": args.dtype, "dtype_reason": dtype_reason},
+                    no_drafter_reason=no_drafter_reason)
 
 
 def vllm_dtype(requested: str, flags: frozenset[str]) -> tuple[str, str]:
@@ -113,6 +121,14 @@ def draft_schedule(costs: CostModel, accept_rate: float, max_batch: int, max_k: 
         else:
             ranges.append((b, b, k))
     return ranges
+
+
+def drafts_anywhere(schedule: list[tuple[int, int, int]]) -> bool:
+    """Whether a (first, last, k) schedule drafts at any batch size. One that does not gets no
+    speculative config at all: vLLM 0.32's EAGLE proposer at k = 0 still runs its layer over every
+    scheduled token (to keep its KV in sync), measured 0.91x / 0.96x plain at B = 1 / 8 on an AVX2
+    EPYC, and vLLM fixes the schedule at start, so no drafter swap could ever make it draft."""
+    return any(k > 0 for _, _, k in schedule)
 
 
 def measured_schedule(settings: Settings, model_dir: Path, drafter_dir: Path, store: WeightsStore,

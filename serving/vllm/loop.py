@@ -34,6 +34,7 @@ from specrl.engine.swap import SwapResult, check_swap
 from specrl.engine.validation import check_request
 from specrl.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, SwapError
 from specrl.serving.engine_loop import read_outputs
+from specrl.serving.loop import NO_DRAFTER
 from specrl.spec.quantities import SpecCounts
 from specrl.spec.sampling import SamplingParams
 
@@ -64,9 +65,10 @@ class Telemetry:
 
 class VllmLoop:
     def __init__(self, engine_args, tokenizer, settings, *, worker_options: dict, has_drafter: bool,
-                 vocab_size: int, info: dict[str, str] | None = None):
+                 vocab_size: int, info: dict[str, str] | None = None, no_drafter_reason: str = NO_DRAFTER):
         self.engine_args, self.tokenizer, self.settings = engine_args, tokenizer, settings
         self.worker_options, self.has_drafter, self.vocab_size = worker_options, has_drafter, vocab_size
+        self.no_drafter_reason = no_drafter_reason
         self.info = info or {"backend": "vllm"}
         self.target_version = settings.target_version
         self.drafter_version = settings.drafter_version if has_drafter else "none"

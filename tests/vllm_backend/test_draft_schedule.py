@@ -2,7 +2,7 @@
 
 import pytest
 
-from specrl.serving.vllm.build import accept_rate_of, draft_schedule
+from specrl.serving.vllm.build import accept_rate_of, draft_schedule, drafts_anywhere
 from specrl.spec.controller import CostModel, expected_tokens
 
 
@@ -22,7 +22,10 @@ def test_a_good_drafter_drafts_where_verifying_is_cheap_and_stops_where_it_is_no
 
 
 def test_an_untrained_drafter_does_not_draft_at_all():
-    assert draft_schedule(costs(0.5), accept_rate=0.05, max_batch=8, max_k=4) == [(1, 8, 0)]
+    """...and so gets no speculative config: vLLM would run its layer on every token for nothing."""
+    schedule = draft_schedule(costs(0.5), accept_rate=0.05, max_batch=8, max_k=4)
+    assert schedule == [(1, 8, 0)] and not drafts_anywhere(schedule)
+    assert drafts_anywhere(draft_schedule(costs(0.5), accept_rate=0.6, max_batch=8, max_k=4))
 
 
 @pytest.mark.parametrize("a", [0.0, 0.1, 0.35, 0.8])

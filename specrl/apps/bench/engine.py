@@ -258,16 +258,18 @@ def batch_stats(tokens: list[int], first_token_s: list[float | None], specs: lis
     return stats
 
 
-def measure_alternately(runs: dict[str, Callable[[], dict]], batch_size: int) -> list[dict]:
+def measure_alternately(runs: dict[str, Callable[[], dict]], batch_size: int, settle_s: float = 0.0) -> list[dict]:
     """Warm every run up once, then time ROUNDS rounds of all of them in turn -> per run the
     `timed_row` of its median-time round. A load spike from another process then falls on both sides
     of a ratio alike, or on one round of it (on the AVX2 EPYC, plain B=1 read 47-66 tok/s from run
-    to run; three rounds gave an untrained drafter 0.90x that six alternating rounds put at 0.99x)."""
+    to run; three rounds gave an untrained drafter 0.90x that six alternating rounds put at 0.99x).
+    settle_s: a pause before each timed run, for engines that keep spinning after their last step."""
     for run in runs.values():
         run()
     timed: dict[str, list[tuple[float, dict]]] = {name: [] for name in runs}
     for _ in range(ROUNDS):
         for name, run in runs.items():
+            time.sleep(settle_s)
             started = time.perf_counter()
             stats = run()
             timed[name].append((time.perf_counter() - started, stats))

@@ -41,6 +41,10 @@ from specrl.spec.sampling import SamplingParams
 DTYPE_SUFFIX = {"float32": "", "float16": "_fp16", "bfloat16": "_bf16"}  # bench rows' names by dtype
 
 VLLM_PLAIN, VLLM_SPEC = "vllm_plain", "vllm_spec"
+# vLLM's worker busy-polls its message queue for 1 s after its last read (shm_broadcast's
+# busy_loop_s): an engine timed right after the other shared the cores with that spin. Measured on
+# an AVX2 EPYC without the pause: two identical plain vLLM engines read 1.20x apart at B=1.
+SETTLE_S = 1.5
 
 
 # ---- the bench process ---------------------------------------------------------------------
@@ -113,7 +117,7 @@ def _measure(engines: dict[str, Settings], prompts: list[list[int]], batch_sizes
         for b in batch_sizes:
             runs = {name: (lambda loop=loop: events.run_until_complete(_batch(loop, prompts[:b], params)))
                     for name, loop in loops.items()}
-            rows += [{**row, "startup_s": startup_s[row["engine"]]} for row in measure_alternately(runs, b)]
+            rows += [{**row, "startup_s": startup_s[row["engine"]]} for row in measure_alternately(runs, b, SETTLE_S)]
         return rows
     finally:
         for loop in loops.values():

@@ -30,7 +30,6 @@ def build_vllm_loop(settings: Settings, store: WeightsStore) -> VllmLoop:
     base = resolve_model(settings.model, settings.home)
     start = start_weights(settings, base, store)
     model_dir, drafter_dir, drafter_version = start.policy_dir, _drafter_dir(start, settings, base), start.drafter_version
-    settings = settings.replace(target_version=start.policy_version, drafter_version=drafter_version)
     schedule, no_drafter_reason = None, NO_DRAFTER
     if drafter_dir and settings.fixed_draft_tokens >= 0:  # benchmarks and tests: the same k at every batch size
         schedule = [(1, settings.max_batch, settings.fixed_draft_tokens)]
@@ -42,6 +41,7 @@ def build_vllm_loop(settings: Settings, store: WeightsStore) -> VllmLoop:
                                  f"serve a trained drafter")
             log.info("event=vllm_speculation_off drafter=%s schedule=%s", drafter_version, schedule)
             drafter_dir, drafter_version, schedule = None, "none", None
+    settings = settings.replace(target_version=start.policy_version, drafter_version=drafter_version)
     eagle_dir = None
     if drafter_dir is not None:
         eagle_dir = Path(tempfile.mkdtemp(prefix="specrl-eagle-"))

@@ -150,7 +150,8 @@ class Engine:
         """plan -> propose -> verify -> commit (and record) for sequences on one target version."""
         started = time.perf_counter()
         sampler = _sampler(running)
-        suffix = [self._suffix_draft(s) for s in running]
+        peers = _peers(running)
+        suffix = [self._suffix_draft(s, peers.get(s.prompt_key, ())) for s in running]
         plan = self.controller.plan([RowOffer(s.remaining_tokens - 1, d) for s, d in zip(running, suffix)],
                                     head=self.drafter is not None)
         draft = self._draft(running, plan, [d.tokens if d is not None else [] for d in suffix], sampler)
@@ -170,12 +171,13 @@ class Engine:
         self.stats.plain_equivalent_seconds += emitted / len(running) * self.controller.costs.step_cost(len(running), 0)
         return outputs
 
-    def _suffix_draft(self, seq: Sequence) -> SuffixDraft | None:
-        """The suffix index's draft after `seq`'s tokens (None: no index, or no room to draft)."""
+    def _suffix_draft(self, seq: Sequence, peers) -> SuffixDraft | None:
+        """The suffix index's draft after `seq`'s tokens, its peers' text counting as its own (None:
+        no index, or no room to draft)."""
         room = min(seq.remaining_tokens - 1, self.settings.suffix_max_tokens)
         if self.suffix is None or self.controller.fixed_k is not None or room <= 0:  # a fixed k drafts with the head only
             return None
-        return self.suffix.propose(seq.suffix, room, self.settings.suffix_min_confidence)
+        return self.suffix.propose(seq.suffix, room, self.settings.suffix_min_confidence, peers)
 
     def _draft(self, running: list[Sequence], plan: StepPlan, suffix: list[list[int]], sampler: RowSampler) -> Draft:
         """The step's drafts as the plan says: the head's for its rows (drafted together), the
@@ -377,6 +379,16 @@ def prior_accept_rate(drafter_version: str) -> float:
     ~0.05 per token (measured on SmolLM2), a trained one on this traffic ~0.3 (measured after 20
     minutes of `bench adapt`); probes correct both within a few steps."""
     return 0.05 if drafter_version == DAY0 else 0.3
+
+
+def _peers(running: list[Sequence]) -> dict[int, list]:
+    """prompt_key -> the suffix contexts of the running sequences with that prompt, where two or
+    more share it (the n samples of one request, a GRPO group: each other's best evidence)."""
+    groups: dict[int, list] = {}
+    for seq in running:
+        if seq.suffix is not None:
+            groups.setdefault(seq.prompt_key, []).append(seq.suffix)
+    return {key: contexts for key, contexts in groups.items() if len(contexts) > 1}
 
 
 def _sampler(running: list[Sequence]) -> RowSampler:

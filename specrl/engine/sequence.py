@@ -43,6 +43,7 @@ class Sequence:
     draft_pending_tokens: list[int] = field(default_factory=list)
     spec: SpecCounts = field(default_factory=SpecCounts)  # this request's verify steps
     suffix: object | None = field(default=None, repr=False)  # its context in the suffix index (prompt + output)
+    prompt_key: int = 0  # hash of prompt_ids: running sequences with the same one draft from each other's text
     stream: torch.Tensor | None = field(default=None, repr=False)  # a seeded request's uniforms by position
     # Weights: the target version this sequence runs on, and runs of versions over its output:
     # [first output index, target version, drafter version] appended whenever either changes.
@@ -57,6 +58,7 @@ class Sequence:
 
     def __post_init__(self):
         self.prefill_end = len(self.prompt_ids)
+        self.prompt_key = hash(tuple(self.prompt_ids))
 
     @property
     def prompt_len(self) -> int:

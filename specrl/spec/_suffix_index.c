@@ -47,6 +47,7 @@ typedef struct {
     /* propose scratch: occurrences (match length, next position) per source, the vote table */
     int64_t *own_len, *own_pos, *glob_len, *glob_pos;
     int32_t *own_next, *glob_next;
+    const struct ContextObject **own_src;   /* the context each own occurrence is in (the request's, or a peer's) */
     int32_t *vote_keys, *vote_order;
     int64_t *vote_count;
     int64_t vote_mask;
@@ -54,7 +55,7 @@ typedef struct {
     int64_t draft_cap;
 } IndexObject;
 
-typedef struct {
+typedef struct ContextObject {
     PyObject_HEAD
     IndexObject *owner;
     int64_t n, cap;
@@ -263,11 +264,12 @@ static int Index_init(IndexObject *self, PyObject *args, PyObject *kwds) {
     self->glob_pos = PyMem_Malloc(sizeof(int64_t) * max_occ);
     self->own_next = PyMem_Malloc(sizeof(int32_t) * max_occ);
     self->glob_next = PyMem_Malloc(sizeof(int32_t) * max_occ);
+    self->own_src = PyMem_Malloc(sizeof(*self->own_src) * max_occ);
     self->vote_keys = PyMem_Malloc(sizeof(int32_t) * vote_size);
     self->vote_count = PyMem_Malloc(sizeof(int64_t) * vote_size);
     self->vote_order = PyMem_Malloc(sizeof(int32_t) * 2 * max_occ);
     if (!self->own_len || !self->own_pos || !self->glob_len || !self->glob_pos || !self->own_next
-        || !self->glob_next || !self->vote_keys || !self->vote_count || !self->vote_order) {
+        || !self->glob_next || !self->own_src || !self->vote_keys || !self->vote_count || !self->vote_order) {
         PyErr_NoMemory(); return -1;
     }
     memset(self->vote_keys, 0xff, sizeof(int32_t) * vote_size);   /* -1: free */
@@ -279,7 +281,7 @@ static void Index_dealloc(IndexObject *self) {
     for (int r = 0; r < MAX_ORDERS; r++) { PyMem_Free(self->heads[r]); PyMem_Free(self->prev[r]); }
     PyMem_Free(self->starts);
     PyMem_Free(self->own_len); PyMem_Free(self->own_pos); PyMem_Free(self->glob_len); PyMem_Free(self->glob_pos);
-    PyMem_Free(self->own_next); PyMem_Free(self->glob_next);
+    PyMem_Free(self->own_next); PyMem_Free(self->glob_next); PyMem_Free(self->own_src);
     PyMem_Free(self->vote_keys); PyMem_Free(self->vote_count);
     PyMem_Free(self->vote_order); PyMem_Free(self->draft);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -357,22 +359,25 @@ static PyObject *Index_new_context(IndexObject *self, PyObject *Py_UNUSED(ignore
     return (PyObject *)c;
 }
 
-/* Earlier occurrences of the context's order-r suffix gram in its own tokens, most recent first. */
-static int own_occurrences(const ContextObject *c, int r, int64_t *len_out, int64_t *pos_out) {
-    const Params *pr = &c->owner->params;
-    int64_t n = c->n, k = pr->orders[r];
-    const int32_t *t = c->tokens;
-    if (n < k + 1) return 0;
-    int64_t p = c->heads[r][bucket_of(ctx_gram_hash(c, r, n), c->bits)];
+/* Occurrences of q's order-r suffix gram in src's tokens (src == q: its own earlier text; else a
+ * peer's), most recent first, each with a next token in src (so q's suffix itself never counts),
+ * at most `limit` of them -> how many were written to len_out/pos_out. */
+static int ctx_occurrences(const ContextObject *src, const ContextObject *q, int r, int64_t *len_out,
+                           int64_t *pos_out, int limit) {
+    const Params *pr = &q->owner->params;
+    int64_t n = q->n, m = src->n, k = pr->orders[r];
+    const int32_t *t = src->tokens, *qt = q->tokens;
+    if (n < k || m < k + 1) return 0;
+    int64_t p = src->heads[r][bucket_of(ctx_gram_hash(q, r, n), src->bits)];
     int found = 0, steps = 0;
-    while (p >= 0 && steps < pr->max_steps && found < pr->max_occ) {
+    while (p >= 0 && steps < pr->max_steps && found < limit) {
         steps++;
-        if (p < n - 1 && memcmp(t + p - k + 1, t + n - k, sizeof(int32_t) * k) == 0) {
+        if (p < m - 1 && memcmp(t + p - k + 1, qt + n - k, sizeof(int32_t) * k) == 0) {
             int64_t len = k;
-            while (len < pr->max_match && p - len >= 0 && t[p - len] == t[n - 1 - len]) len++;
+            while (len < pr->max_match && len < n && p - len >= 0 && t[p - len] == qt[n - 1 - len]) len++;
             len_out[found] = len; pos_out[found] = p + 1; found++;
         }
-        p = c->prev[r][p];
+        p = src->prev[r][p];
     }
     return found;
 }
@@ -405,12 +410,14 @@ static int glob_occurrences(const IndexObject *self, const ContextObject *c, int
     return found;
 }
 
-/* Keep the occurrences of the longest match length (in order) -> that length, or -1 if none. */
-static int64_t keep_longest(const int64_t *len, int64_t *pos, int *count) {
+/* Keep the occurrences of the longest match length (in order; src, when given, follows pos) ->
+ * that length, or -1 if none. */
+static int64_t keep_longest(const int64_t *len, int64_t *pos, const ContextObject **src, int *count) {
     int64_t best = -1;
     for (int i = 0; i < *count; i++) if (len[i] > best) best = len[i];
     int kept = 0;
-    for (int i = 0; i < *count; i++) if (len[i] == best) pos[kept++] = pos[i];
+    for (int i = 0; i < *count; i++)
+        if (len[i] == best) { if (src) src[kept] = src[i]; pos[kept++] = pos[i]; }
     *count = kept;
     return best;
 }
@@ -430,21 +437,43 @@ static inline int64_t vote_slot(IndexObject *self, int32_t t, int *distinct) {
 }
 
 static PyObject *Index_propose(IndexObject *self, PyObject *args) {
-    ContextObject *c; int max_tokens; double min_confidence;
-    if (!PyArg_ParseTuple(args, "O!id", &ContextType, &c, &max_tokens, &min_confidence)) return NULL;
+    ContextObject *c; int max_tokens; double min_confidence; PyObject *peer_arg = NULL;
+    if (!PyArg_ParseTuple(args, "O!id|O", &ContextType, &c, &max_tokens, &min_confidence, &peer_arg)) return NULL;
     if (c->owner != self) {
         PyErr_SetString(PyExc_ValueError, "the context was made by another index (use that index's new_request())");
         return NULL;
     }
+    PyObject *peers = peer_arg && peer_arg != Py_None ? PySequence_Fast(peer_arg, "peers must be a sequence of contexts")
+                                                      : PyTuple_New(0);
+    if (!peers) return NULL;
+    Py_ssize_t n_peers = PySequence_Fast_GET_SIZE(peers);
+    PyObject **peer_items = PySequence_Fast_ITEMS(peers);
+    for (Py_ssize_t i = 0; i < n_peers; i++) {
+        if (!PyObject_TypeCheck(peer_items[i], &ContextType) || ((ContextObject *)peer_items[i])->owner != self) {
+            Py_DECREF(peers);
+            PyErr_SetString(PyExc_ValueError, "peers must be contexts made by this index's new_request()");
+            return NULL;
+        }
+    }
     const Params *pr = &self->params;
-    /* match: each source's longest; the longer (own + own_bonus) wins, both on a tie */
+    /* match: each source's longest (the own source: the request's text, then its peers'); the
+     * longer (own + own_bonus) wins, both on a tie */
     int n_own = 0, n_glob = 0;
-    for (int r = pr->n_orders - 1; r >= 0 && n_own == 0; r--)
-        n_own = own_occurrences(c, r, self->own_len, self->own_pos);
+    for (int r = pr->n_orders - 1; r >= 0 && n_own == 0; r--) {
+        n_own = ctx_occurrences(c, c, r, self->own_len, self->own_pos, pr->max_occ);
+        for (int i = 0; i < n_own; i++) self->own_src[i] = c;
+        for (Py_ssize_t j = 0; j < n_peers && n_own < pr->max_occ; j++) {
+            const ContextObject *peer = (const ContextObject *)peer_items[j];
+            if (peer == c) continue;
+            int got = ctx_occurrences(peer, c, r, self->own_len + n_own, self->own_pos + n_own, pr->max_occ - n_own);
+            for (int i = n_own; i < n_own + got; i++) self->own_src[i] = peer;
+            n_own += got;
+        }
+    }
     for (int r = pr->n_orders - 1; r >= 0 && n_glob == 0; r--)
         n_glob = glob_occurrences(self, c, r, self->glob_len, self->glob_pos);
-    int64_t own_best = keep_longest(self->own_len, self->own_pos, &n_own);
-    int64_t glob_best = keep_longest(self->glob_len, self->glob_pos, &n_glob);
+    int64_t own_best = keep_longest(self->own_len, self->own_pos, self->own_src, &n_own);
+    int64_t glob_best = keep_longest(self->glob_len, self->glob_pos, NULL, &n_glob);
     if (n_own) own_best += pr->own_bonus;
     if (own_best < glob_best) n_own = 0;
     if (glob_best < own_best) n_glob = 0;
@@ -453,21 +482,22 @@ static PyObject *Index_propose(IndexObject *self, PyObject *args) {
     const int own = n_own > 0;
     if (max_tokens > self->draft_cap) {
         int32_t *d = PyMem_Realloc(self->draft, sizeof(int32_t) * max_tokens);
-        if (!d) return PyErr_NoMemory();
+        if (!d) { Py_DECREF(peers); return PyErr_NoMemory(); }
         self->draft = d; self->draft_cap = max_tokens;
     }
     PyObject *confidences = PyList_New(0);
-    if (!confidences) return NULL;
+    if (!confidences) { Py_DECREF(peers); return NULL; }
     int64_t n = c->n, cap = self->capacity;
     int K = 0;
     double product = 1.0;
     while (K < max_tokens && n_own + n_glob > 0) {   /* draft: vote, keep the agreeing occurrences */
         int distinct = 0;
-        for (int i = 0; i < n_own; i++) {
+        for (int i = 0; i < n_own; i++) {   /* the request's own text runs on into the draft; a peer's ends */
             int64_t q = self->own_pos[i];
-            int32_t t = q < n ? c->tokens[q] : self->draft[q - n];
+            const ContextObject *src = self->own_src[i];
+            int32_t t = src == c ? (q < n ? c->tokens[q] : self->draft[q - n]) : (q < src->n ? src->tokens[q] : SEPARATOR);
             self->own_next[i] = t;
-            self->vote_count[vote_slot(self, t, &distinct)]++;
+            if (t != SEPARATOR) self->vote_count[vote_slot(self, t, &distinct)]++;
         }
         for (int i = 0; i < n_glob; i++) {
             int32_t t = self->ring[self->glob_pos[i] % cap];
@@ -487,15 +517,19 @@ static PyObject *Index_propose(IndexObject *self, PyObject *args) {
         product *= confidence;
         if (product < min_confidence) break;
         PyObject *f = PyFloat_FromDouble(confidence);
-        if (!f || PyList_Append(confidences, f) < 0) { Py_XDECREF(f); Py_DECREF(confidences); return NULL; }
+        if (!f || PyList_Append(confidences, f) < 0) {
+            Py_XDECREF(f); Py_DECREF(confidences); Py_DECREF(peers); return NULL;
+        }
         Py_DECREF(f);
         self->draft[K++] = best;
         int kept = 0;
-        for (int i = 0; i < n_own; i++) if (self->own_next[i] == best) self->own_pos[kept++] = self->own_pos[i] + 1;
+        for (int i = 0; i < n_own; i++)
+            if (self->own_next[i] == best) { self->own_src[kept] = self->own_src[i]; self->own_pos[kept++] = self->own_pos[i] + 1; }
         n_own = kept; kept = 0;
         for (int i = 0; i < n_glob; i++) if (self->glob_next[i] == best) self->glob_pos[kept++] = self->glob_pos[i] + 1;
         n_glob = kept;
     }
+    Py_DECREF(peers);
     PyObject *tokens = PyList_New(K);
     if (!tokens) { Py_DECREF(confidences); return NULL; }
     for (int i = 0; i < K; i++) PyList_SET_ITEM(tokens, i, PyLong_FromLong(self->draft[i]));
@@ -506,7 +540,7 @@ static PyMethodDef Index_methods[] = {
     {"add", (PyCFunction)Index_add, METH_O, "add(tokens): append one document, evicting the oldest as needed."},
     {"new_context", (PyCFunction)Index_new_context, METH_NOARGS, "new_context() -> an empty request Context."},
     {"propose", (PyCFunction)Index_propose, METH_VARARGS,
-     "propose(ctx, max_tokens, min_confidence) -> (token ids, confidences, match length, own)."},
+     "propose(ctx, max_tokens, min_confidence, peers=()) -> (token ids, confidences, match length, own)."},
     {NULL},
 };
 

@@ -40,6 +40,12 @@ both sources' longest matches, 1.558 counting own votes 4x at equal length; own 
 request's text matching a little longer; a bonus (not own-first) still lets a much longer global
 match win (a repeated template).
 
+Peers. Requests that run at the same time with the same prompt (the n samples of one request,
+a GRPO group) are each other's best evidence, long before any of them finishes and joins the
+global index. `propose(ctx, ..., peers)` searches the peers' text so far as part of the own
+source: the request's own occurrences first, then each peer's, max_occurrences in all; a peer's
+occurrence votes while the peer has a next token (it cannot run on into this request's draft).
+
 Draft. Each step, every live occurrence votes for the token after it (an own-context occurrence
 may run on into the tokens drafted so far: a repeating loop keeps drafting); the most voted
 token wins (ties: the token seen first, own before global, most recent first), its confidence is
@@ -200,20 +206,22 @@ class _TwinContext:
         for p in range(len(self.tokens)):
             self._link(p)
 
-    def occurrences(self, r: int) -> list[tuple[int, int]]:
-        """(match length, position of the next token) of earlier occurrences of the context's
-        order-r suffix gram, most recent first, within the occurrence and step caps."""
-        n, k, params = len(self.tokens), self.params.orders[r], self.params
-        tokens = self.tokens
-        if n < k + 1:
+    def occurrences(self, query: "_TwinContext", r: int, limit: int) -> list[tuple[int, int]]:
+        """(match length, position of the next token) of occurrences of query's order-r suffix
+        gram in this context's tokens (query is self: its own earlier text; else a peer's), most
+        recent first, each with a next token here, at most `limit` within the step cap."""
+        n, m, k, params = len(query.tokens), len(self.tokens), self.params.orders[r], self.params
+        tokens, qt = self.tokens, query.tokens
+        if n < k or m < k + 1:
             return []
-        p = self.heads[r][_bucket(self.gram_hash(r, n), self.bits)]
+        p = self.heads[r][_bucket(query.gram_hash(r, n), self.bits)]
         found, steps = [], 0
-        while p >= 0 and steps < params.max_steps and len(found) < params.max_occurrences:
+        while p >= 0 and steps < params.max_steps and len(found) < limit:
             steps += 1
-            if p < n - 1 and tokens[p - k + 1:p + 1] == tokens[n - k:]:
+            if p < m - 1 and tokens[p - k + 1:p + 1] == qt[n - k:]:
                 length = k
-                while length < params.max_match and p - length >= 0 and tokens[p - length] == tokens[n - 1 - length]:
+                while (length < params.max_match and length < n and p - length >= 0
+                       and tokens[p - length] == qt[n - 1 - length]):
                     length += 1
                 found.append((length, p + 1))
             p = self.prev[r][p]
@@ -295,32 +303,51 @@ class _TwinIndex:
             p = self.prev[r][p % cap]
         return found
 
-    def propose(self, ctx: _TwinContext, max_tokens: int,
-                min_confidence: float) -> tuple[list[int], list[float], int, bool]:
+    def propose(self, ctx: _TwinContext, max_tokens: int, min_confidence: float,
+                peers: Sequence[_TwinContext] = ()) -> tuple[list[int], list[float], int, bool]:
         if ctx.owner is not self:
             raise ValueError("the context was made by another index (use that index's new_request())")
-        own, glob, match = self._match(ctx)
+        if any(not isinstance(peer, _TwinContext) or peer.owner is not self for peer in peers):
+            raise ValueError("peers must be contexts made by this index's new_request()")
+        own, glob, match = self._match(ctx, [peer for peer in peers if peer is not ctx])
         return (*self._draft(ctx, own, glob, max_tokens, min_confidence), match, bool(own))
 
-    def _match(self, ctx: _TwinContext) -> tuple[list[int], list[int], int]:
-        """-> next-token positions of the own and global occurrences that vote (each source's
-        longest, the longer (own + own_bonus) wins, both on a tie), and the longest match among
-        the voting sources in context tokens (0: none)."""
-        own_len, own = _longest(ctx.occurrences, len(self.params.orders))
+    def _own_occurrences(self, ctx: _TwinContext, peers: list[_TwinContext], r: int) -> list[tuple[int, tuple]]:
+        """The own source's order-r occurrences: the request's text, then each peer's, at most
+        max_occurrences in all -> (match length, (context, next-token position))."""
+        found = [(length, (ctx, q)) for length, q in ctx.occurrences(ctx, r, self.params.max_occurrences)]
+        for peer in peers:
+            if len(found) >= self.params.max_occurrences:
+                break
+            found += [(length, (peer, q)) for length, q in
+                      peer.occurrences(ctx, r, self.params.max_occurrences - len(found))]
+        return found
+
+    def _match(self, ctx: _TwinContext, peers: list[_TwinContext]) -> tuple[list[tuple], list[int], int]:
+        """-> the own source's voting occurrences as (context, next-token position), the global
+        ones' next-token positions (each source's longest, the longer (own + own_bonus) wins, both
+        on a tie), and the longest match among the voting sources in context tokens (0: none)."""
+        own_len, own = _longest(lambda r: self._own_occurrences(ctx, peers, r), len(self.params.orders))
         glob_len, glob = _longest(lambda r: self.occurrences(ctx, r), len(self.params.orders))
         bonus_len = own_len + self.params.own_bonus if own else -1
         best = max(bonus_len, glob_len)
         own, glob = (own if bonus_len == best else []), (glob if glob_len == best else [])
         return own, glob, glob_len if glob else own_len if own else 0
 
-    def _draft(self, ctx: _TwinContext, own: list[int], glob: list[int], max_tokens: int,
+    def _draft(self, ctx: _TwinContext, own: list[tuple], glob: list[int], max_tokens: int,
                min_confidence: float) -> tuple[list[int], list[float]]:
-        n, cap, ring, context = len(ctx), self.capacity, self.ring, ctx.tokens
+        n, cap, ring = len(ctx), self.capacity, self.ring
         tokens: list[int] = []
         confidences: list[float] = []
         product = 1.0
+
+        def own_next_token(src: _TwinContext, q: int) -> int:  # the request's text runs on into the draft; a peer's ends
+            if src is ctx:
+                return src.tokens[q] if q < n else tokens[q - n]
+            return src.tokens[q] if q < len(src.tokens) else SEPARATOR
+
         while len(tokens) < max_tokens and (own or glob):
-            own_next = [context[q] if q < n else tokens[q - n] for q in own]
+            own_next = [own_next_token(src, q) for src, q in own]
             glob_next = [ring[q % cap] for q in glob]
             counts: dict[int, int] = {}  # votes per next token, first seen first (own, then global)
             for t in own_next + glob_next:
@@ -335,14 +362,15 @@ class _TwinIndex:
                 break
             tokens.append(best)
             confidences.append(confidence)
-            own = [q + 1 for q, t in zip(own, own_next) if t == best]
+            own = [(src, q + 1) for (src, q), t in zip(own, own_next) if t == best]
             glob = [q + 1 for q, t in zip(glob, glob_next) if t == best]
         return tokens, confidences
 
 
 def _longest(occurrences, n_orders: int) -> tuple[int, list[int]]:
-    """The first order, longest first, with any occurrence -> (longest match length, next-token
-    positions of the occurrences with that length, most recent first); (-1, []) if none."""
+    """The first order, longest first, with any occurrence -> (longest match length, the next-token
+    positions (as the occurrences name them) of the occurrences with that length, in order); (-1, [])
+    if none."""
     for r in reversed(range(n_orders)):
         found = occurrences(r)
         if found:
@@ -415,11 +443,14 @@ class SuffixIndex:
         ctx.extend(tokens)
         return ctx
 
-    def propose(self, ctx: RequestContext, max_tokens: int, min_confidence: float = 0.1) -> "SuffixDraft":
+    def propose(self, ctx: RequestContext, max_tokens: int, min_confidence: float = 0.1,
+                peers: Sequence[RequestContext] = ()) -> "SuffixDraft":
         """Draft up to max_tokens after ctx's tokens: K <= max_tokens tokens, the running product of
-        their confidences >= min_confidence."""
+        their confidences >= min_confidence. peers: contexts of requests running beside this one
+        with the same prompt (the n samples of one request, a GRPO group); their text so far
+        counts as the request's own ("Peers" in the module docstring)."""
         with self._lock:
-            return SuffixDraft(*self._core.propose(ctx, max_tokens, min_confidence))
+            return SuffixDraft(*self._core.propose(ctx, max_tokens, min_confidence, tuple(peers)))
 
     @property
     def documents(self) -> int:

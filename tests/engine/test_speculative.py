@@ -121,6 +121,27 @@ def test_greedy_with_the_suffix_index_equals_plain_greedy(make_engine, tokenizer
     assert all(s.proposer == "" for s in steps if s.k == 0)
 
 
+def test_a_sample_behind_drafts_from_its_running_peers_text(make_engine, tokenizer):
+    """Two requests with one prompt (the n samples of a request, a GRPO group): the one that starts
+    later drafts from the text the first has written so far, before it finishes (nothing is in the
+    global index yet), and its output is still plain greedy's."""
+    prompt = chat_prompts(tokenizer, 1)[0]
+    [plain] = make_engine(drafter="none", suffix_capacity=0).generate([prompt], GREEDY)
+    engine = make_engine(drafter="none", max_batch=4)
+    ahead = engine.submit(prompt, GREEDY, request_id="ahead")
+    while len(ahead.output_ids) < 16:
+        engine.step()
+    behind = engine.submit(prompt, GREEDY, request_id="behind")
+    while engine.has_work():
+        engine.step()
+    assert engine.suffix.documents == 2  # both joined the index only as they finished
+    assert ahead.output_ids == behind.output_ids == plain.output_ids
+    # its first decode step (one token of its own output: no earlier text of its own to match)
+    first = next(s for r in engine.sink.records if r.request_id == "behind" for s in r.steps
+                 if s.position == len(prompt) + 1)
+    assert first.proposer == "suffix" and first.accepted >= 2  # what the peer had written
+
+
 @pytest.mark.parametrize("seeded", [False, True])  # rejection sampling with q one-hot; the coupled rule
 def test_sampled_tokens_follow_the_target_distribution_with_suffix_drafts(make_engine, tokenizer, seeded):
     """Suffix drafts are deterministic (q one-hot at the drafted token): the verified tokens still

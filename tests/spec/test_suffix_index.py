@@ -114,6 +114,27 @@ def test_never_the_self_match(native):
     assert proposal(ix, ctx, 1, 0.1) == ([1], [1.0])
 
 
+def test_peers_text_so_far_counts_as_the_requests_own(native):
+    """Two samples of one prompt: the one ahead drafts for the other before either finishes; a
+    peer's occurrence stops where the peer's text ends (only the request's own runs on)."""
+    ix = index(native, capacity=0)  # nothing finished yet: no global index
+    ahead, behind = ix.new_request([50, 1, 2, 3, 4, 5]), ix.new_request([50, 1, 2])
+    assert ix.propose(behind, 8, 0.1).tokens == []  # alone: its own text has no earlier "50 1 2"
+    draft = ix.propose(behind, 8, 0.1, peers=[ahead, behind])  # itself among its peers: ignored
+    assert (draft.tokens, draft.confidences, draft.match_length, draft.own) == ([3, 4, 5], [1.0] * 3, 3, True)
+    other = index(native).new_request([50, 1, 2, 3])
+    with pytest.raises(ValueError):
+        ix.propose(behind, 8, 0.1, peers=[other])
+
+
+def test_peers_vote_beside_the_own_text(native):
+    ix = index(native, capacity=0)
+    a, b = ix.new_request([7, 8, 1]), ix.new_request([7, 8, 2])
+    ctx = ix.new_request([5, 7, 8, 1, 3, 7, 8])  # its own "7 8" went on with 1; the peers': 1 and 2
+    draft = ix.propose(ctx, 1, 0.0, peers=[a, b])
+    assert (draft.tokens, draft.confidences) == ([1], [pytest.approx(2 / 3)])
+
+
 @pytest.mark.parametrize("doc, context, bonus, expected", [
     ([7, 6, 1, 2, 40], [9, 1, 2, 30, 7, 6, 1, 2], 0, ([40], [1.0])),  # own "1 2" (2) < global "7 6 1 2" (4)
     ([7, 6, 1, 2, 40], [9, 1, 2, 30, 7, 6, 1, 2], 2, ([30], [0.5])),  # 2 + 2 = 4: a tie, one vote each, own first
@@ -264,6 +285,7 @@ def test_extension_equals_twin(seed, vocab, repeat, capacity, max_occ):
                   own_bonus=rng.choice([0, 2, 5]))
     c, py = SuffixIndex(capacity, native=True, **kwargs), SuffixIndex(capacity, native=False, **kwargs)
     compared = drafted = 0
+    peers_c, peers_py = [], []
     for round_ in range(60):
         doc = text(rng.randrange(0, 120))
         c.add(round_, doc)
@@ -271,13 +293,16 @@ def test_extension_equals_twin(seed, vocab, repeat, capacity, max_occ):
         assert (c.documents, c.tokens, c.evicted) == (py.documents, py.tokens, py.evicted)
         prefix = text(rng.randrange(0, 40))
         ctx_c, ctx_py = c.new_request(prefix), py.new_request(prefix)
+        peers_c.append(ctx_c)
+        peers_py.append(ctx_py)
         for _ in range(6):
             more = text(rng.randrange(1, 30))
             ctx_c.extend(more)
             ctx_py.extend(more)
             k, threshold = rng.choice([1, 4, 16]), rng.choice([0.0, 0.1, 0.5])
-            got = c.propose(ctx_c, k, threshold)
-            assert got == py.propose(ctx_py, k, threshold)
+            n_peers = rng.choice([0, 0, 1, 3])  # the last contexts made (itself among them: ignored)
+            got = c.propose(ctx_c, k, threshold, peers_c[-n_peers:] if n_peers else [])
+            assert got == py.propose(ctx_py, k, threshold, peers_py[-n_peers:] if n_peers else [])
             compared += 1
             drafted += len(got.tokens)
     assert ctx_c.tolist() == ctx_py.tolist()

@@ -31,9 +31,13 @@ proposer is not used, nobody learns whether it got better (a swap, traffic it no
 every `probe_every` steps without it a probe drafts one token with it (the head for the rows left
 without a draft, the suffix index for the rows it has a draft for); each probe that still does
 not pay doubles that proposer's interval (up to `max_probe_every`). A drafter swap resets the
-head's estimates. Last, the plan answers to measurement (`DraftGuard`): where the steps that
-drafted yielded fewer tokens per second than the steps that did not, at that batch size, drafting
-pauses, with trials that back off as probes do.
+head's estimates. Last, the plan answers to measurement (`DraftGuard`), per proposer: where the
+steps in which the head drafted (or, apart, the steps in which only the suffix index drafted)
+yielded fewer tokens per second than the steps that did not draft, at that batch size, that
+proposer pauses there, with trials that back off as probes do, and the plan is made without it.
+Why per proposer: one guard over all drafting steps let the head's losing steps hide behind the
+index's winning ones (`bench adapt`, 10 min, AVX2 EPYC: head + index 1.40x plain at B=1, the
+index alone 1.48x, the head alone 1.00x).
 """
 
 from __future__ import annotations
@@ -173,64 +177,71 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
 
 @dataclass
 class DraftGuard:
-    """Per batch size, what drafting really yields: tokens per second of the steps that drafted
-    against those that did not, each the total tokens over the total seconds of its last `window`
-    real steps (probes count in neither). A ratio of sums, not a moving average of per-step rates:
-    a drafting step yields 1 to 17 tokens, and the average of per-step rates that this replaced let
-    four unlucky first drafts pause a suffix index that paid 1.2x over the same prompts.
+    """Per batch size and proposer, what drafting really yields: tokens per second of the steps of
+    each kind (`StepPlan.kind`: the head drafted, only the suffix index drafted, nobody drafted),
+    each the total tokens over the total seconds of its last `window` real steps (probes count in
+    none). A ratio of sums, not a moving average of per-step rates: a drafting step yields 1 to 17
+    tokens, and the average of per-step rates that this replaced let four unlucky first drafts
+    pause a suffix index that paid 1.2x over the same prompts.
 
     The planner's rate is a model (a calibrated curve, live acceptance); this is the measurement
     that keeps it honest. After `min_steps` drafting steps of B rows, plain steps of B rows are
     needed to compare with: a plan that would draft is run plain until `min_steps` of them are
     measured, and again (one step) whenever that measurement is `refresh_every` steps old (what a
-    plain step costs drifts with context length and load). When drafting steps yield fewer
-    tokens/s than plain ones, drafting at B pauses for `pause` steps, then gets a fresh trial of
-    `min_steps` drafting steps; each trial that still loses doubles the pause (up to `max_pause`),
-    one that wins resets it. The cost of being wrong is bounded: min_steps losing steps a pause."""
+    plain step costs drifts with context length and load). When one proposer's steps yield fewer
+    tokens/s than plain ones, that proposer pauses at B for `pause` steps, then gets a fresh trial
+    of `min_steps` steps; each trial that still loses doubles its pause (up to `max_pause`), one
+    that wins resets it. The cost of being wrong is bounded: min_steps losing steps a pause."""
 
     min_steps: int = 8
     window: int = 32
     refresh_every: int = 64
     min_pause: int = 32
     max_pause: int = 1024
-    _recent: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (B, drafted) -> (tokens, seconds) of steps
+    _recent: dict[tuple[int, str], deque] = field(default_factory=dict)  # (B, kind) -> (tokens, seconds) of steps
     _last_plain: dict[int, int] = field(default_factory=dict)
-    _paused_until: dict[int, int] = field(default_factory=dict)
-    _pause: dict[int, int] = field(default_factory=dict)
+    _paused_until: dict[tuple[int, str], int] = field(default_factory=dict)
+    _pause: dict[tuple[int, str], int] = field(default_factory=dict)
     _steps: int = 0
 
-    def allows(self, batch: int) -> bool:
-        """Whether drafting at this batch size may be planned now (False: pause, or a plain reference step)."""
-        if self._steps < self._paused_until.get(batch, 0):
-            return False
-        drafted = len(self._recent.get((batch, True), ()))
-        stale = self.rate(batch, False) is None or self._steps - self._last_plain.get(batch, 0) >= self.refresh_every
-        return not (drafted >= self.min_steps and stale)
+    def allows(self, batch: int, proposer: str) -> bool:
+        """Whether `proposer` (HEAD or SUFFIX) may draft at this batch size now (False: paused, or a
+        plain reference step is due)."""
+        return self._steps >= self._paused_until.get((batch, proposer), 0) and not self._plain_due(batch)
 
-    def rate(self, batch: int, drafted: bool) -> float | None:
-        """Measured tokens/s of steps of `batch` rows that drafted (or not); None before min_steps."""
-        recent = self._recent.get((batch, drafted), ())
+    def _plain_due(self, batch: int) -> bool:
+        """A proposer has min_steps steps at this batch size and the plain reference is missing or
+        old: the next steps run plain, whoever would draft (both proposers compare with it)."""
+        stale = self.rate(batch, NONE) is None or self._steps - self._last_plain.get(batch, 0) >= self.refresh_every
+        return stale and any(len(self._recent.get((batch, kind), ())) >= self.min_steps for kind in (HEAD, SUFFIX))
+
+    def rate(self, batch: int, kind: str) -> float | None:
+        """Measured tokens/s of steps of `batch` rows of this kind (HEAD, SUFFIX, NONE: plain);
+        None before min_steps."""
+        recent = self._recent.get((batch, kind), ())
         if len(recent) < self.min_steps:
             return None
         return sum(t for t, _ in recent) / sum(s for _, s in recent)
 
-    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def observe(self, batch: int, kind: str, tokens: int, seconds: float) -> None:
         self._steps += 1
         if seconds <= 0:
             return
-        self._recent.setdefault((batch, drafted), deque(maxlen=self.window)).append((tokens, seconds))
-        if not drafted:
+        self._recent.setdefault((batch, kind), deque(maxlen=self.window)).append((tokens, seconds))
+        if kind == NONE:
             self._last_plain[batch] = self._steps
-        plain, draft = self.rate(batch, False), self.rate(batch, True)
+            return
+        plain, draft = self.rate(batch, NONE), self.rate(batch, kind)
         if plain is None or draft is None:
             return
-        if draft < plain:  # pause, and judge the next trial on fresh drafting steps alone
-            pause = self._pause.get(batch, self.min_pause)
-            self._paused_until[batch] = self._steps + pause
-            self._pause[batch] = min(2 * pause, self.max_pause)
-            del self._recent[(batch, True)]
+        key = (batch, kind)
+        if draft < plain:  # pause, and judge the next trial on fresh steps alone
+            pause = self._pause.get(key, self.min_pause)
+            self._paused_until[key] = self._steps + pause
+            self._pause[key] = min(2 * pause, self.max_pause)
+            del self._recent[key]
         else:
-            self._pause[batch] = self.min_pause
+            self._pause[key] = self.min_pause
 
 
 @dataclass
@@ -262,6 +273,12 @@ class StepPlan:
 
     def rows_of(self, proposer: str) -> list[int]:
         return [b for b, p in enumerate(self.proposers) if p == proposer]
+
+    @property
+    def kind(self) -> str:
+        """What the guard files the step under: HEAD when the head drafted for any row (its passes
+        are the step's extra cost), else SUFFIX when the index did, else NONE (a plain step)."""
+        return HEAD if HEAD in self.proposers else SUFFIX if SUFFIX in self.proposers else NONE
 
 
 class SpeculationController:
@@ -311,13 +328,15 @@ class SpeculationController:
             k = min(self.fixed_k, head_cap)
             return StepPlan(k, k, [k] * batch, [HEAD if k else NONE] * batch)
         suffix_gain = [self._suffix_gains(r) for r in rows]
+        # a proposer measured slower than plain decoding at this batch size (or waiting for a plain
+        # reference step) is left out of the plan
+        usable = [g if self.guard.allows(batch, SUFFIX) else [0.0] for g in suffix_gain]
+        head_ks = head_cap + 1 if self.guard.allows(batch, HEAD) else 1
         best, best_rate = StepPlan.plain(batch), batch / self.costs.verify_cost(batch, batch) * self.margin
-        for head_k in range(head_cap + 1):
-            plan, rate = self._best_with_head(suffix_gain, head_k)
+        for head_k in range(head_ks):
+            plan, rate = self._best_with_head(usable, head_k)
             if rate > best_rate:
                 best, best_rate = plan, rate
-        if best.width and not self.guard.allows(batch):  # drafting measured slower than plain here
-            best = StepPlan.plain(batch)
         if best.head_k == 0 and head_cap > 0 and self._steps_since_draft + 1 >= self.probe_every:
             best = self._probe(best, rows)
         if SUFFIX not in best.proposers and self._steps_since_suffix + 1 >= self.suffix_probe_every:
@@ -391,7 +410,7 @@ class SpeculationController:
         batch = len(plan.lengths)
         if not (plan.probe or plan.suffix_probe):  # a probe drafts to learn, not at the cost it chose
             self.costs.observe_rows(batch, plan.rows, seconds, plan.head_k, len(plan.rows_of(HEAD)))
-            self.guard.observe(batch, plan.width > 0, batch + sum(accepted), seconds)
+            self.guard.observe(batch, plan.kind, batch + sum(accepted), seconds)
         suffix_rows = plan.rows_of(SUFFIX)
         for b in suffix_rows:
             self.suffix_acceptance.observe(suffix[b], plan.lengths[b], accepted[b])

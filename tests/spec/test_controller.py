@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.spec.controller import HEAD, NONE, SUFFIX, CostModel, RowOffer, SpeculationController, expected_tokens
+from specrl.spec.controller import (HEAD, NONE, SUFFIX, CostModel, RowOffer, SpeculationController, StepPlan,
+                                   expected_tokens)
 from specrl.spec.suffix_acceptance import SuffixAcceptance
 from specrl.spec.suffix_index import SuffixDraft
 
@@ -368,46 +369,74 @@ def test_drafting_that_measures_faster_is_never_paused():
     plain = sum(p.width == 0 for p in plans)
     guard = ctl.guard
     assert 0 < plain <= guard.min_steps + 400 // guard.refresh_every + 1
-    assert not guard._paused_until and guard.rate(2, True) > guard.rate(2, False)
+    assert not guard._paused_until and guard.rate(2, SUFFIX) > guard.rate(2, NONE)
 
 
 def test_the_guard_pauses_one_batch_size_not_the_others():
     guard = SpeculationController(0, wide_costs()).guard
     for _ in range(guard.min_steps):
-        guard.observe(4, False, 4, 1.0)  # plain at B=4: 4 tokens/s
+        guard.observe(4, NONE, 4, 1.0)  # plain at B=4: 4 tokens/s
     for _ in range(guard.min_steps):
-        guard.observe(4, True, 5, 2.0)  # drafting at B=4: 2.5 tokens/s
-    assert not guard.allows(4) and guard.allows(1) and guard.allows(8)
-    assert guard.rate(4, True) is None  # the next trial is judged on fresh steps
+        guard.observe(4, SUFFIX, 5, 2.0)  # drafting at B=4: 2.5 tokens/s
+    assert not guard.allows(4, SUFFIX) and guard.allows(1, SUFFIX) and guard.allows(8, SUFFIX)
+    assert guard.rate(4, SUFFIX) is None  # the next trial is judged on fresh steps
     for _ in range(guard.min_pause):
-        guard.observe(1, False, 1, 1.0)
-    assert guard.allows(4)
-    guard.observe(4, False, 4, 1.0)  # the plain reference stays fresh
+        guard.observe(1, NONE, 1, 1.0)
+    assert guard.allows(4, SUFFIX)
+    guard.observe(4, NONE, 4, 1.0)  # the plain reference stays fresh
     for _ in range(guard.min_steps):  # a trial that loses again: a pause twice as long
-        guard.observe(4, True, 5, 2.0)
-    assert not guard.allows(4)
+        guard.observe(4, SUFFIX, 5, 2.0)
+    assert not guard.allows(4, SUFFIX)
     for _ in range(guard.min_pause):
-        guard.observe(1, False, 1, 1.0)
-    assert not guard.allows(4)
+        guard.observe(1, NONE, 1, 1.0)
+    assert not guard.allows(4, SUFFIX)
     for _ in range(guard.min_pause):
-        guard.observe(1, False, 1, 1.0)
-    guard.observe(4, False, 4, 1.0)
-    assert guard.allows(4)
+        guard.observe(1, NONE, 1, 1.0)
+    guard.observe(4, NONE, 4, 1.0)
+    assert guard.allows(4, SUFFIX)
     for _ in range(guard.min_steps):  # a trial that wins: drafting goes on, the pause is reset
-        guard.observe(4, True, 12, 2.0)
-    assert guard.allows(4) and guard._pause[4] == guard.min_pause
+        guard.observe(4, SUFFIX, 12, 2.0)
+    assert guard.allows(4, SUFFIX) and guard._pause[(4, SUFFIX)] == guard.min_pause
 
 
 def test_stale_plain_timing_asks_for_one_plain_reference_step():
     guard = SpeculationController(0, wide_costs()).guard
     for _ in range(guard.min_steps):
-        guard.observe(2, True, 6, 1.0)
-    assert not guard.allows(2)  # drafting measured, nothing to compare with: plain steps first
+        guard.observe(2, SUFFIX, 6, 1.0)
+    assert not guard.allows(2, SUFFIX)  # drafting measured, nothing to compare with: plain steps first
     for _ in range(guard.min_steps):
-        guard.observe(2, False, 2, 1.0)
-    assert guard.allows(2)
+        guard.observe(2, NONE, 2, 1.0)
+    assert guard.allows(2, SUFFIX)
     for _ in range(guard.refresh_every):
-        guard.observe(2, True, 6, 1.0)
-    assert not guard.allows(2)  # the plain timing is old now: one step refreshes it
-    guard.observe(2, False, 2, 1.0)
-    assert guard.allows(2)
+        guard.observe(2, SUFFIX, 6, 1.0)
+    assert not guard.allows(2, SUFFIX)  # the plain timing is old now: one step refreshes it
+    assert not guard.allows(2, HEAD)  # and the head does not take that step instead
+    guard.observe(2, NONE, 2, 1.0)
+    assert guard.allows(2, SUFFIX) and guard.allows(2, HEAD)
+
+
+def test_a_proposer_measured_slower_than_plain_is_left_out_and_the_other_goes_on():
+    """The model says the head pays on a row without a suffix draft, but the head's steps measured
+    0.6 tokens/s against plain steps' 1.0 while the index's steps made 3.1: the head pauses at B=1
+    (its rows run plain), the index keeps drafting, and B=2 is judged apart."""
+    ctl = trusting(4, wide_costs(), initial_accept_rate=0.8, probe_every=10 ** 6)
+    bare, matched = RowOffer(100), RowOffer(100, suffix([1.0] * 8))
+    assert ctl.plan([bare], head=True).proposers == [HEAD]  # the model alone: the head pays
+    guard = ctl.guard
+    for _ in range(guard.min_steps):
+        guard.observe(1, NONE, 1, 1.0)
+    for _ in range(guard.min_steps):
+        guard.observe(1, SUFFIX, 5, 1.6)
+    for _ in range(guard.min_steps):
+        guard.observe(1, HEAD, 3, 4.8)
+    assert not guard.allows(1, HEAD) and guard.allows(1, SUFFIX) and guard.allows(2, HEAD)
+    assert ctl.plan([bare], head=True).width == 0
+    plan = ctl.plan([matched], head=True)
+    assert plan.proposers == [SUFFIX] and plan.lengths == [8]
+    assert ctl.plan([bare, bare], head=True).head_k > 0
+
+
+def test_a_step_is_filed_under_the_head_when_the_head_drafted_for_any_row():
+    assert StepPlan(3, 2, [2, 3, 0], [HEAD, SUFFIX, NONE]).kind == HEAD
+    assert StepPlan(3, 0, [0, 3], [NONE, SUFFIX]).kind == SUFFIX
+    assert StepPlan.plain(3).kind == NONE

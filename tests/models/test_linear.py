@@ -120,6 +120,20 @@ def test_stream_gives_the_same_bits_on_any_thread_count():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_rows_values_do_not_depend_on_the_rows_beside_it(weight_dtype):
+    """A verify over many rows must compute each row as a one-row decode step does, to the bit
+    (else greedy speculation could pick another token than plain decoding), whichever register
+    tiles the row count takes (6 x 4 up to 6 rows, 12 x 2 tiles and a remainder beyond)."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(128, 96, generator=gen).to(weight_dtype)
+    packed = PackedLinear(weight, "blocked", (512,), ("stream",))
+    x = torch.randn(40, 96, generator=gen)
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 6, 7, 8, 11, 12, 13, 16, 24, 25, 40):
+        assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+
+
 def test_stream_refuses_what_does_not_fit():
     weight = STORAGES["blocked"].pack(torch.randn(32, 16))
     with pytest.raises(ValueError, match="does not fit"):

@@ -164,11 +164,9 @@ class Engine:
             outputs.append(self._commit(seq, draft, row, result, plan.proposers[row]))
         seconds = time.perf_counter() - started
         self.controller.observe_plan(plan, seconds, result.accepted.tolist(), suffix)
-        # What plain decoding would have spent on the same tokens: a plain step of these B rows
-        # yields B tokens (the controller's measured cost of k = 0 at this batch size).
-        emitted = len(running) + int(result.accepted.sum())
         self.stats.decode_seconds += seconds
-        self.stats.plain_equivalent_seconds += emitted / len(running) * self.controller.costs.step_cost(len(running), 0)
+        self.stats.plain_equivalent_seconds += self.controller.plain_seconds(plan, seconds,
+                                                                           len(running) + int(result.accepted.sum()))
         return outputs
 
     def _suffix_draft(self, seq: Sequence, peers) -> SuffixDraft | None:

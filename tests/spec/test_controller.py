@@ -27,6 +27,19 @@ def closed_form(a: float, k: int) -> float:
     return k + 1.0 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
+def test_plain_seconds_follow_the_steps_own_time_not_a_stale_scale():
+    """The engine's speed-up estimate: a plain step is worth exactly its own seconds, and a drafting
+    step its own seconds times the calibrated plain share, whatever the scale learned under an
+    earlier load (a batch size last seen while training ran beside the server)."""
+    ctl = SpeculationController(4, facts_costs())
+    for _ in range(20):
+        ctl.costs.observe(1, 0, 3 * step_cost(0))  # observed 3x slower than calibrated, earlier
+    plain = StepPlan.plain(1)
+    assert ctl.plain_seconds(plain, 0.01, 1) == pytest.approx(0.01)  # now quiet: 0.01 s is 0.01 s
+    drafting = StepPlan(2, 2, [2], [HEAD])
+    assert ctl.plain_seconds(drafting, 0.02, 3) == pytest.approx(0.02 * step_cost(0) / step_cost(2) * 3)
+
+
 # ---- expected_tokens ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("a", [0.0, 0.05, 0.5, 0.9, 0.999, 1.0])

@@ -46,6 +46,7 @@ def test_bench_adapt_tiny(tmp_path, capsys):
         assert 0.0 <= online["b1"]["same_output"] <= 1.0
     for c in (start, end):  # batch 4 at the first and last checkpoint
         assert finite(c["drafters"]["online"]["ratio_b4"]) and finite(c["plain"]["b4"]["tokens_per_s"])
+        assert finite(c["drafters"]["online"]["ratio_b4_median"]) and c["drafters"]["online"]["ratio_b4_median"] > 0
 
     throughput, lag = run["throughput"], run["lag"]
     assert throughput["stream_records"] > 0 and finite(throughput["stream_records_per_s"])

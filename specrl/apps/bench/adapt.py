@@ -16,8 +16,8 @@ running (the store's `current`, the day-0 head before any publish):
   - tokens/s of the native engine with the adaptive controller vs plain decoding over one
     shared target, prompt by prompt alternately at B = 1 (ratio of the totals, and the median of
     the per-prompt ratios, which a load spike from another process moves less), and over all 8
-    at B = 4 (first and last checkpoint only; three rounds, in alternating order), with the
-    fraction of identical outputs.
+    at B = 4 (first and last checkpoint only; five rounds, in alternating order: ratio of the
+    totals, and the median of the per-round ratios), with the fraction of identical outputs.
 Then the trainer continues (SIGCONT) and so does the traffic. Measuring with the trainer paused
 keeps the three processes from fighting over the cores; the price is that the loop stands still
 while it measures, so every time below is on the traffic clock: wall time minus pauses.

@@ -87,9 +87,12 @@ def build_result(settings: Settings, minutes: float, objectives: list[str], shif
                                           online["mean_acceptance_length_k4"]],
                  "ratio_b1": [first["drafters"]["online"]["ratio_b1"], online["ratio_b1"]],
                  "ratio_b4": [first["drafters"]["online"].get("ratio_b4"), online.get("ratio_b4")],
+                 "ratio_b4_median": [first["drafters"]["online"].get("ratio_b4_median"), online.get("ratio_b4_median")],
                  "proposers": {name: {"ratio_b1": [first["drafters"][name]["ratio_b1"], last["drafters"][name]["ratio_b1"]],
                                       "ratio_b4": [first["drafters"][name].get("ratio_b4"),
                                                    last["drafters"][name].get("ratio_b4")],
+                                      "ratio_b4_median": [first["drafters"][name].get("ratio_b4_median"),
+                                                          last["drafters"][name].get("ratio_b4_median")],
                                       "tokens_per_step_b1": [first["drafters"][name]["b1"]["tokens_per_step"],
                                                              last["drafters"][name]["b1"]["tokens_per_step"]]}
                                for name in CONFIGURATIONS if name in last["drafters"]},
@@ -127,7 +130,7 @@ def print_table(result: dict) -> None:
     for when, machine in result["machine"].items():
         print(f"machine ({when}): {machine_line(machine)}")
     print(f"{'run':<12} {'point':<8} {'min':>5} {'tokens':>7} {'trained':>7} {'drafter':>7} {'(recs)':>6} {'acc.k4':>6} "
-          f"{'spec':>6} {'plain':>6} {'B1 x':>5} {'med x':>5} {'B4 x':>5}")
+          f"{'spec':>6} {'plain':>6} {'B1 x':>5} {'med x':>5} {'B4 x':>5} {'med x':>5}")
     for run in result["runs"]:
         for c in run["checkpoints"]:
             for label, d in c["drafters"].items():
@@ -136,7 +139,8 @@ def print_table(result: dict) -> None:
                       f"{c['trainer_records']:>7} {d['version']:>7} {c['drafter_records'] if label == 'online' else '-':>6} "
                       f"{fmt(d.get('mean_acceptance_length_k4')):>6} "
                       f"{d['b1']['tokens_per_s']:>6.1f} {c['plain']['b1']['tokens_per_s']:>6.1f} "
-                      f"{d['ratio_b1']:>5.2f} {d['ratio_b1_median']:>5.2f} {fmt(d.get('ratio_b4')):>5}")
+                      f"{d['ratio_b1']:>5.2f} {d['ratio_b1_median']:>5.2f} {fmt(d.get('ratio_b4')):>5} "
+                      f"{fmt(d.get('ratio_b4_median')):>5}")
     for run in result["runs"]:
         t, lag = run["throughput"], run["lag"]
         print(f"{run['name']}: {len(run['publishes'])} publishes; trainer {t['trained_records_per_s']:.2f} records/s "
@@ -180,7 +184,8 @@ def plot(result: dict, path: Path) -> None:
             alpha = 1.0 if name == "online+suffix" else 0.55
             ratio.plot(minutes, [d["ratio_b1"] for d in series], marker + "-", color=color, alpha=alpha,
                        label=f"{run['name']} {shown} B=1")
-            b4 = [(m, d["ratio_b4"]) for m, d in zip(minutes, series) if "ratio_b4" in d]
+            # B = 4: the median over rounds of the per-round ratios (one disturbed run moves the totals)
+            b4 = [(m, d["ratio_b4_median"]) for m, d in zip(minutes, series) if "ratio_b4_median" in d]
             if b4:
                 ratio.plot(*zip(*b4), marker + "--", color=color, mfc="none", alpha=alpha,
                            label=f"{run['name']} {shown} B=4")

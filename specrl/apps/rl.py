@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import secrets
+import statistics
 import sys
 import threading
 import time
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int = 4, tasks_per_step: int = 4,
            publish_every: int = 2, eval_every: int = 4, eval_tasks: int = 24, max_tokens: int | None = None,
            config: GRPOConfig | None = None, out_dir: str | None = None, window_tokens: int = 256,
-           sample_every_s: float = 1.0, speed_tasks: int = 8, speed_rounds: int = 2, score_workers: int = 4,
+           sample_every_s: float = 1.0, speed_tasks: int = 8, speed_rounds: int = 5, score_workers: int = 4,
            score_timeout_s: float | None = None) -> dict:
     """`env_name`: a `make_env` spec; `max_tokens`, `score_timeout_s`: None for the environment's own;
     `window_tokens`: the acceptance window of the recovery measure (`rl_report.acceptance_recovery`);
@@ -332,7 +333,8 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
     accepts less than training's unseeded rollouts.) Each server answers one untimed warm-up
     request; then rounds alternate the order (A B, B A, ...) so drift in machine load falls on
     both. tokens/s = completion tokens / summed request wall time (sampled completions differ in
-    length; the rate accounts for it).
+    length; the rate accounts for it); `ratio` is the totals', `ratio_median` the median over rounds
+    of each round's ratio (two rounds of the same engines drifted 277 -> 345 tok/s on one machine).
     """
     port = free_port()
     plain_url, log_path = f"http://{settings.host}:{port}", run_dir / "server-no-speculation.log"
@@ -350,10 +352,13 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
             client.complete(messages[0], n=n, temperature=TEMPERATURE)
             client.tokens, client.seconds = 0, 0.0
         before = sample_metrics(url, 0.0)
+        per_round: dict[str, list[float]] = {name: [] for name in clients}
         for r in range(rounds):
-            for client in list(clients.values())[:: 1 if r % 2 == 0 else -1]:
+            for name, client in list(clients.items())[:: 1 if r % 2 == 0 else -1]:
+                tokens, seconds = client.tokens, client.seconds
                 for m in messages:
                     client.complete(m, n=n, temperature=TEMPERATURE)
+                per_round[name].append((client.tokens - tokens) / max(client.seconds - seconds, 1e-9))
         after, plain = sample_metrics(url, 0.0), sample_metrics(plain_url, 0.0)
         if before is None or after is None or plain is None:
             raise OSError("a server did not answer /metrics")
@@ -362,14 +367,17 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         return {"error": repr(exc)}
     finally:
         terminate(server)
-    arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
-                   "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0} for name, c in clients.items()}
+    arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3), "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0,
+                   "rounds_tokens_per_s": [round(x, 2) for x in per_round[name]]} for name, c in clients.items()}
     served = rates(before, after)  # tokens per step, and by proposer (the suffix index, the head)
     arms["with_speculation"].update({k: served[k] for k in ("tokens_per_step", "speedup", "suffix_acceptance_rate",
                                                             "head_acceptance_rate", "suffix_draft_tokens_per_s",
                                                             "head_draft_tokens_per_s")})
     off = arms["without_speculation"]["tokens_per_s"]
-    return {**arms, "ratio": arms["with_speculation"]["tokens_per_s"] / off if off else None,
+    # one disturbed round (another process, the machine's neighbours) moves the totals, not the median
+    ratio_median = statistics.median(on / off for on, off in zip(per_round["with_speculation"],
+                                                                  per_round["without_speculation"]))
+    return {**arms, "ratio": arms["with_speculation"]["tokens_per_s"] / off if off else None, "ratio_median": ratio_median,
             "policy": after["policy"], "policy_without": plain["policy"], "drafter": after["drafter"],
             "tasks": len(tasks), "samples_per_task": n, "max_tokens": max_tokens, "temperature": TEMPERATURE,
             "rounds": rounds, "method": SPEED_METHOD}

@@ -132,7 +132,9 @@ def summary_lines(report: dict) -> list[str]:
     if "ratio" in speed:
         on, off = speed["with_speculation"], speed["without_speculation"]
         lines.append(f"rollout tokens/s: {on['tokens_per_s']:.1f} with speculation, {off['tokens_per_s']:.1f} "
-                     f"without: {speed['ratio']:.2f}x  ({speed['tasks']} tasks x {speed['samples_per_task']} samples, "
+                     f"without: {speed['ratio']:.2f}x"
+                     + (f" (median over rounds {speed['ratio_median']:.2f}x)" if speed.get("ratio_median") else "")
+                     + f"  ({speed['tasks']} tasks x {speed['samples_per_task']} samples, "
                      f"{speed['rounds']} rounds, policy {speed['policy']})")
     elif "error" in speed:
         lines.append(f"rollout tokens/s with and without speculation: not measured ({speed['error']})")

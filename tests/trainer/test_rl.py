@@ -54,6 +54,8 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
         assert e["serving_tau"] is None or 1.0 <= e["serving_tau"] <= 5.0
     speed = report["speed"]
     assert speed["ratio"] > 0 and speed["policy"] == speed["policy_without"] == report["evals"][-1]["policy"]
+    assert speed["ratio_median"] == pytest.approx(speed["with_speculation"]["rounds_tokens_per_s"][0]
+                                                  / speed["without_speculation"]["rounds_tokens_per_s"][0], rel=1e-3)
     for arm in ("with_speculation", "without_speculation"):
         assert speed[arm]["tokens"] > 0 and speed[arm]["tokens_per_s"] > 0
     logs = "".join((tmp_path / "run" / name).read_text()

@@ -68,13 +68,14 @@ def test_report_files_and_summary(tmp_path, capsys):
     samples = _samples(*BEFORE, SWAP, ("v1", 100, 20), ("v1", 60, 60), ("v1", 60, 60))
     swaps = acceptance_recovery(samples, window_tokens=100)
     speed = {"with_speculation": {"tokens_per_s": 150.0}, "without_speculation": {"tokens_per_s": 100.0},
-             "ratio": 1.5, "tasks": 8, "samples_per_task": 4, "rounds": 2, "policy": "v1"}
+             "ratio": 1.5, "ratio_median": 1.4, "tasks": 8, "samples_per_task": 4, "rounds": 2, "policy": "v1"}
     report = {"env": "arithmetic", "evals": [{"policy": "base", "reward": 0.5, "ci95": 0.1}], "samples": samples,
               "recovery": recovery_summary(swaps, window_tokens=100), "speed": speed, "pipeline": PIPELINE}
     write_report(tmp_path, report)
     assert (tmp_path / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
     err = capsys.readouterr().err
-    assert "recovered after 240 tokens" in err and "1.50x" in err and "rl-report.json" in err
+    assert "recovered after 240 tokens" in err and "1.50x" in err and "median over rounds 1.40x" in err
+    assert "rl-report.json" in err
     assert "environment" in err and "2.40/s" in err
     assert "not measured" in summary_lines({**report, "speed": {"error": "OSError()"}, "pipeline": None})[-1]
     write_report(tmp_path, {**report, "pipeline": None})       # a report from before the pipeline: no panel

@@ -17,7 +17,7 @@ NEW_TOKENS = 48
 # once, an engine whose controller never drafted (k = 0 at every step) read 0.90x plain; over the
 # totals of three rounds, plain read 227 tok/s beside a head that drafted 0.3% of steps at 360
 # (the same engine in-process, unloaded: 348-412 both), so the ratio kept is the median over
-# rounds of each round's ratio, which one disturbed run does not move.
+# rounds of each round's ratio, which one disturbed run does not move, after one untimed run each.
 B4_ROUNDS = 5
 
 
@@ -141,6 +141,8 @@ class Meter:
         plain, tallies = _Tally(), {name: _Tally() for name in engines}
         runs, reference = [(None, self.plain), *engines.items()], None
         rates: dict = {name: [] for name, _ in runs}
+        for _, engine in runs:  # untimed: the first B = 4 run after traffic was the slow one, twice
+            _run(engine, prompts[:4], params)
         for r in range(B4_ROUNDS):
             for name, engine in runs[:: 1 if r % 2 == 0 else -1]:
                 seconds, done, counts = _run(engine, prompts, params)
@@ -151,7 +153,9 @@ class Meter:
                 else:
                     tallies[name].add(seconds, done, counts, reference)
         _record(result, "b4", plain, tallies)
+        result["plain"]["b4"]["rounds_tokens_per_s"] = rates[None]
         for name in engines:
+            result["drafters"][name]["b4"]["rounds_tokens_per_s"] = rates[name]
             result["drafters"][name]["ratio_b4_median"] = statistics.median(
                 rate / base for rate, base in zip(rates[name], rates[None]))
 

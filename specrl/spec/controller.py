@@ -52,6 +52,7 @@ from specrl.spec.suffix_index import SuffixDraft
 
 HEAD, SUFFIX, NONE = "head", "suffix", ""
 PATIENCE = 4  # suffix tokens past the best rate tried before the planner stops adding them
+PRIOR_MEMO = 65536  # memoised cost points kept (B, positions, head passes, head rows) before the memo starts over
 
 
 def expected_tokens(accept_rate: float, k: int) -> float:
@@ -131,8 +132,17 @@ class CostModel:
 
     def _prior(self, batch: int, rows: int, head_k: int, head_rows: int) -> float:
         # h drafter passes: the catch-up pass over the newly verified positions yields the first
-        # draft token, then h-1 single-position passes.
-        return self._interp_target(batch, rows / batch) + (head_k * self._interp_draft(head_rows) if head_k else 0.0)
+        # draft token, then h-1 single-position passes. Memoised: the planner asks for ~60 points a
+        # step at B = 8, most of them every step (the tables only grow while `measure` fills them).
+        key = (batch, rows, head_k, head_rows, len(self.target), len(self.draft))
+        memo = self.__dict__.setdefault("_priors", {})
+        cost = memo.get(key)
+        if cost is None:
+            if len(memo) >= PRIOR_MEMO:
+                memo.clear()
+            cost = memo[key] = (self._interp_target(batch, rows / batch)
+                                + (head_k * self._interp_draft(head_rows) if head_k else 0.0))
+        return cost
 
     def observe(self, batch: int, width: int, seconds: float, head_k: int | None = None) -> None:
         """One head-only step of `batch` rows drafting `width` tokens each (head_k None: all of them)."""
@@ -336,11 +346,14 @@ class SpeculationController:
         suffix_gain = [self._suffix_gains(r) for r in rows]
         # a proposer measured slower than plain decoding at this batch size (or waiting for a plain
         # reference step) is left out of the plan
-        usable = [g if self.guard.allows(batch, SUFFIX) else [0.0] for g in suffix_gain]
+        usable = suffix_gain if self.guard.allows(batch, SUFFIX) else [[0.0]] * batch
         head_ks = head_cap + 1 if self.guard.allows(batch, HEAD) else 1
+        # every row's suffix tokens by marginal gain, best first (ties: row, then position), once a step
+        marginal = sorted(((gains[i + 1] - gains[i], b) for b, gains in enumerate(usable) for i in range(len(gains) - 1)),
+                          key=lambda x: -x[0])
         best, best_rate = StepPlan.plain(batch), batch / self.costs.verify_cost(batch, batch) * self.margin
         for head_k in range(head_ks):
-            plan, rate = self._best_with_head(usable, head_k)
+            plan, rate = self._best_with_head(usable, marginal, head_k)
             if rate > best_rate:
                 best, best_rate = plan, rate
         if best.head_k == 0 and head_cap > 0 and self._steps_since_draft + 1 >= self.probe_every:
@@ -349,10 +362,12 @@ class SpeculationController:
             best = self._probe_suffix(best, suffix_gain)
         return best
 
-    def _best_with_head(self, suffix_gain: list[list[float]], head_k: int) -> tuple[StepPlan, float]:
+    def _best_with_head(self, suffix_gain: list[list[float]], marginal: list[tuple[float, int]],
+                        head_k: int) -> tuple[StepPlan, float]:
         """The best plan in which the head drafts head_k tokens (0: not at all) -> (plan, tokens/s).
         Rows go to the head when their whole suffix draft is worth less; the others take suffix
-        tokens in order of marginal gain while the rate grows (the cost grows with every position)."""
+        tokens in order of marginal gain (`marginal`: (gain, row) of every row's suffix tokens, best
+        first) while the rate grows (the cost grows with every position)."""
         batch = len(suffix_gain)
         head_gain = expected_tokens(self.accept_rate, head_k) - 1
         on_head = [head_k > 0 and head_gain > gains[-1] for gains in suffix_gain]
@@ -360,10 +375,10 @@ class SpeculationController:
         used_head, head_rows = (head_k, sum(on_head)) if any(on_head) else (0, 0)
         tokens, rows = batch + head_gain * head_rows, batch + sum(lengths)
         best_lengths, best_rate = list(lengths), tokens / self.costs.verify_cost(batch, rows, used_head, head_rows)
-        marginal = sorted(((gains[i + 1] - gains[i], b) for b, gains in enumerate(suffix_gain) if not on_head[b]
-                           for i in range(len(gains) - 1)), key=lambda x: -x[0])
         worse = 0
         for gain, b in marginal:
+            if on_head[b]:
+                continue
             lengths[b] += 1
             tokens, rows = tokens + gain, rows + 1
             rate = tokens / self.costs.verify_cost(batch, rows, used_head, head_rows)

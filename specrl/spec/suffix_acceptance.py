@@ -28,6 +28,7 @@ Expected accepted tokens of a draft cut to n tokens: sum_{i < n} prod_{j <= i} p
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from specrl.spec.suffix_index import SuffixDraft
@@ -36,8 +37,8 @@ MATCH_BUCKETS = (2, 3, 5, 9, 17)  # upper bounds of the effective match length p
 
 
 def match_bucket(length: int) -> int:
-    """The cell index of an effective match length."""
-    return next((i for i, bound in enumerate(MATCH_BUCKETS) if length <= bound), len(MATCH_BUCKETS))
+    """The cell index of an effective match length: the first bucket whose bound is >= length."""
+    return bisect.bisect_left(MATCH_BUCKETS, length)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 
 from specrl.spec.controller import (HEAD, NONE, SUFFIX, CostModel, RowOffer, SpeculationController, StepPlan,
                                    expected_tokens)
-from specrl.spec.suffix_acceptance import SuffixAcceptance
+from specrl.spec.suffix_acceptance import SuffixAcceptance, match_bucket
 from specrl.spec.suffix_index import SuffixDraft
 
 TARGET_B1 = {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.8, 5: 2.0}
@@ -324,6 +324,12 @@ def test_long_own_matches_keep_drafting_while_short_global_ones_stop():
     assert plan.lengths == [12, 0]
     assert min(ctl.suffix_acceptance.probabilities(good)) > 0.95  # one scale for both: 0.5
     assert ctl.suffix_acceptance.probabilities(bad)[0] < 0.5
+
+
+@pytest.mark.parametrize("length, cell", [(0, 0), (2, 0), (3, 1), (4, 2), (5, 2), (6, 3), (9, 3), (10, 4),
+                                          (17, 4), (18, 5), (500, 5)])
+def test_match_lengths_fall_in_the_cells_their_bounds_say(length, cell):
+    assert match_bucket(length) == cell
 
 
 def test_suffix_acceptance_counts_only_the_tried_tokens():

@@ -367,7 +367,8 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         return {"error": repr(exc)}
     finally:
         terminate(server)
-    arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3), "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0,
+    arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
+                   "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0,
                    "rounds_tokens_per_s": [round(x, 2) for x in per_round[name]]} for name, c in clients.items()}
     served = rates(before, after)  # tokens per step, and by proposer (the suffix index, the head)
     arms["with_speculation"].update({k: served[k] for k in ("tokens_per_step", "speedup", "suffix_acceptance_rate",
@@ -375,8 +376,8 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
                                                             "head_draft_tokens_per_s")})
     off = arms["without_speculation"]["tokens_per_s"]
     # one disturbed round (another process, the machine's neighbours) moves the totals, not the median
-    ratio_median = statistics.median(on / off for on, off in zip(per_round["with_speculation"],
-                                                                  per_round["without_speculation"]))
+    ratio_median = statistics.median(spec / plain for spec, plain in zip(per_round["with_speculation"],
+                                                                          per_round["without_speculation"]))
     return {**arms, "ratio": arms["with_speculation"]["tokens_per_s"] / off if off else None, "ratio_median": ratio_median,
             "policy": after["policy"], "policy_without": plain["policy"], "drafter": after["drafter"],
             "tasks": len(tasks), "samples_per_task": n, "max_tokens": max_tokens, "temperature": TEMPERATURE,

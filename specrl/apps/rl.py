@@ -369,7 +369,7 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         terminate(server)
     arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
                    "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0,
-                   "rounds_tokens_per_s": [round(x, 2) for x in per_round[name]]} for name, c in clients.items()}
+                   "rounds_tokens_per_s": per_round[name]} for name, c in clients.items()}
     served = rates(before, after)  # tokens per step, and by proposer (the suffix index, the head)
     arms["with_speculation"].update({k: served[k] for k in ("tokens_per_step", "speedup", "suffix_acceptance_rate",
                                                             "head_acceptance_rate", "suffix_draft_tokens_per_s",

@@ -49,7 +49,8 @@ class Publisher:
         the previous version, which stays correct if a retried request had already landed)."""
         report = SwapReport(version)
         for server in self.servers:
-            error = self._ask(server.rstrip("/") + "/admin/weights", {"role": "drafter", "version": version})
+            _, error = post_swap(server, self.admin_token, {"role": "drafter", "version": version},
+                                 retries=self.retries, backoff_s=self.backoff_s, timeout_s=self.timeout_s)
             if error is None:
                 report.swapped.append(server)
             else:
@@ -57,21 +58,27 @@ class Publisher:
                 log.warning("event=swap_failed replica=%s version=%s error=%s", server, version, error)
         return report
 
-    def _ask(self, url: str, body: dict) -> str | None:
-        """POST with retries; -> None on success, else the last error."""
-        error = "not tried"
-        for attempt in range(self.retries):
-            request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                             headers={"Content-Type": "application/json",
-                                                      "Authorization": f"Bearer {self.admin_token}"})
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s):
-                    return None
-            except urllib.error.HTTPError as exc:
-                error = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}"
-                if exc.code < 500 and exc.code != 409:
-                    return error  # the replica refused the checkpoint: retrying will not help
-            except (urllib.error.URLError, OSError) as exc:
-                error = str(exc)
-            time.sleep(self.backoff_s * 2 ** attempt)
-        return error
+
+def post_swap(server: str, admin_token: str, body: dict, *, retries: int = 3, backoff_s: float = 0.5,
+              timeout_s: float = 60.0) -> tuple[dict | None, str | None]:
+    """POST `body` to a replica's /admin/weights with retries -> (its answer, None), or (None, the
+    last error). Retried: connection errors, 5xx, and 409 (a swap already in flight there: the
+    drafter trainer's and the RL loop's policy swaps cross); any other 4xx is the replica refusing
+    the checkpoint, which retrying will not change."""
+    error = "not tried"
+    for attempt in range(retries):
+        request = urllib.request.Request(server.rstrip("/") + "/admin/weights", data=json.dumps(body).encode(),
+                                         method="POST", headers={"Content-Type": "application/json",
+                                                                 "Authorization": f"Bearer {admin_token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+                return json.loads(resp.read() or b"{}"), None
+        except urllib.error.HTTPError as exc:
+            error = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]}"
+            if exc.code < 500 and exc.code != 409:
+                return None, error
+        except (urllib.error.URLError, OSError) as exc:
+            error = str(exc)
+        if attempt + 1 < retries:
+            time.sleep(backoff_s * 2 ** attempt)
+    return None, error

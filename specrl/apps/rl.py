@@ -40,7 +40,6 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -57,10 +56,12 @@ from specrl.errors import SpecrlError
 from specrl.telemetry.event_log import EventLog, read_events
 from specrl.trainer.envs import ENV_HELP, ScorePool, env_max_tokens, env_timeout_s, make_env, take_tasks
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
+from specrl.trainer.publisher import post_swap
 from specrl.trainer.rollout import TEMPERATURE, RolloutClient, RolloutPipeline, mean_and_ci, task_messages
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.apps.rl")
+POLICY_SWAP_RETRIES = 7  # 0.5 s doubling: ~30 s for a drafter swap in flight to land
 SPEED_METHOD = ("final policy; the live server (drafter and suffix index, adaptive k) vs a second server on the same "
                 "store with --drafter none --suffix-capacity 0 (plain decoding); the same held-out tasks sent as "
                 "rollouts are (one request at a time, n samples, same max_tokens and temperature, no seed), one "
@@ -422,20 +423,18 @@ def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, re
         report["publishes"].append({"t": time.monotonic() - started, "refused": str(exc)})
         return
     samples.take()
-    result = _swap_policy(url, token, version)
+    # the drafter trainer swaps the same server: a 409 (its swap in flight) is waited out
+    result, error = post_swap(url, token, {"role": "policy", "version": version, "mode": "interrupt"},
+                              retries=POLICY_SWAP_RETRIES, timeout_s=300.0)
     samples.take()
+    if error is not None:  # the server keeps its policy; the next publish tries again
+        log.error("event=policy_swap_failed version=%s error=%s", version, error)
+        report["publishes"].append({"t": round(time.monotonic() - started, 1), "stored": version, "swap_failed": error})
+        return
     report["publishes"].append({"t": round(time.monotonic() - started, 1), "version": version,
                                 "load_ms": result["load_ms"], "swap_ms": result["swap_ms"]})
     events.write("policy_swap", **report["publishes"][-1])
     log.info("event=policy_swap version=%s load_ms=%s swap_ms=%s", version, result["load_ms"], result["swap_ms"])
-
-
-def _swap_policy(url: str, token: str, version: str) -> dict:
-    body = json.dumps({"role": "policy", "version": version, "mode": "interrupt"}).encode()
-    request = urllib.request.Request(url + "/admin/weights", data=body, method="POST", headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        return json.loads(resp.read())
 
 
 def _evaluate(pool: ScorePool, client: RolloutClient, tasks: list, version: str, started: float) -> dict:

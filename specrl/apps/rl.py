@@ -43,6 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import redis
 import torch
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
@@ -54,6 +55,7 @@ from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.errors import SpecrlError
 from specrl.telemetry.event_log import EventLog, read_events
+from specrl.telemetry.redis_sink import events_stream
 from specrl.trainer.envs import ENV_HELP, ScorePool, env_max_tokens, env_timeout_s, make_env, take_tasks
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
 from specrl.trainer.publisher import post_swap
@@ -63,7 +65,7 @@ from specrl.weights import WeightsStore
 log = logging.getLogger("specrl.apps.rl")
 POLICY_SWAP_RETRIES = 7  # 0.5 s doubling: ~30 s for a drafter swap in flight to land
 SPEED_METHOD = ("final policy; the live server (drafter and suffix index, adaptive k) vs a second server on the same "
-                "store with --drafter none --suffix-capacity 0 (plain decoding); the same held-out tasks sent as "
+                "store with --drafter none --suffix-capacity 0 (plain decoding; its records to a stream of its own); the same held-out tasks sent as "
                 "rollouts are (one request at a time, n samples, same max_tokens and temperature, no seed), one "
                 "warm-up each, rounds in alternating order; tokens/s = completion tokens / summed request time")
 
@@ -126,13 +128,13 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
     model_dir = resolve_model(settings.model, settings.home)
     settings = with_deployment_store(settings)
     store = _resumable_store(settings)
-    redis = RedisServer(settings.redis_url)
+    redis_server = RedisServer(settings.redis_url)
     token, url = settings.admin_token or secrets.token_hex(16), f"http://{settings.host}:{settings.port}"
     env_vars = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
     # The server, the drafter trainer and GRPO (this process) compute at once: the cores split three ways.
     threads, caller_threads = shared_threads(settings.threads, 3), torch.get_num_threads()
     torch.set_num_threads(threads)
-    common = ["--model", settings.model, "--redis-url", redis.url, "--deployment", settings.deployment,
+    common = ["--model", settings.model, "--redis-url", redis_server.url, "--deployment", settings.deployment,
               "--store", str(settings.store_path), "--threads", str(threads)]
     children, stop, pause, failed, pool = [], threading.Event(), _Pause(), [], None
     report = {"command": sys.argv, "env": env_name, "model": settings.model, "max_tokens": max_tokens,
@@ -143,7 +145,9 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         _start_children(children, settings, common, env_vars, url, run_dir)
         trainer = GRPOTrainer(model_dir, config or GRPOConfig(), state_path=policy_state_path(settings), store=store)
         if trainer.version != (store.current("policy") or trainer.published[0]):  # resumed past the served one
-            _swap_policy(url, token, trainer.version)
+            _, error = _swap_policy(url, token, trainer.version)
+            if error is not None:
+                raise SpecrlError(f"the server did not take the resumed policy {trainer.version}: {error}")
         client = RolloutClient(url, settings.model, n=group_size, max_tokens=max_tokens)
         pipeline = RolloutPipeline(pool, max_scoring=2 * tasks_per_step, max_scored=2 * tasks_per_step)
         started, started_wall = time.monotonic(), time.time()
@@ -184,7 +188,7 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         producer.join()  # the rollout in flight finishes; no other starts
         sampler.join()
         terminate(children[1])  # the drafter trainer: nothing but the measured requests runs from here
-        report["speed"] = _measure_speed(settings, [*common, "--redis-url", ""], env_vars, run_dir, url,
+        report["speed"] = _measure_speed(settings, common, env_vars, run_dir, url,
                                          heldout[:speed_tasks], n=group_size, max_tokens=max_tokens,
                                          rounds=speed_rounds)
     finally:
@@ -193,7 +197,7 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
             pool.close()
         for child in reversed(children):
             terminate(child)
-        redis.stop()
+        redis_server.stop()
         torch.set_num_threads(caller_threads)
     report["drafter_evaluations"] = drafter_evaluations(run_dir / "drafter-events.jsonl", started_wall)
     report["recovery"] = recovery_summary(acceptance_recovery(report["samples"], window_tokens=window_tokens),
@@ -221,6 +225,13 @@ def _resumable_store(settings: Settings) -> WeightsStore:
                           f"{policy_state_path(settings)} does not exist: GRPO would start from the base model "
                           "behind it; use a fresh --store, or the --deployment that trained it")
     return store
+
+
+def _swap_policy(url: str, token: str, version: str) -> tuple[dict | None, str | None]:
+    """-> (the server's answer, None) or (None, the error). The drafter trainer swaps the same
+    server: a 409 (its swap in flight) is waited out."""
+    return post_swap(url, token, {"role": "policy", "version": version, "mode": "interrupt"},
+                     retries=POLICY_SWAP_RETRIES, timeout_s=300.0)
 
 
 def _grpo_step(trainer: GRPOTrainer, batch: list, started: float, report: dict, events: EventLog) -> bool:
@@ -336,12 +347,18 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
     both. tokens/s = completion tokens / summed request wall time (sampled completions differ in
     length; the rate accounts for it); `ratio` is the totals', `ratio_median` the median over rounds
     of each round's ratio (two rounds of the same engines drifted 277 -> 345 tok/s on one machine).
+    Both servers send their records to Redis, the second under a deployment of its own (its
+    stream deleted at the end) so that it feeds neither the live server's suffix index nor a
+    trainer: telemetry costs a server ~5% of its rollout tokens/s on 2 cores (four servers side by
+    side, AVX-512 EPYC), and a second server without it once credited speculation with that 5% as
+    a loss.
     """
     port = free_port()
+    plain_deployment = f"{settings.deployment}-no-speculation"
     plain_url, log_path = f"http://{settings.host}:{port}", run_dir / "server-no-speculation.log"
     try:
-        server = spawn(["serve", *flags, "--drafter", "none", "--suffix-capacity", "0", "--port", str(port),
-                        "--host", settings.host], env_vars, log_path)
+        server = spawn(["serve", *flags, "--deployment", plain_deployment, "--drafter", "none", "--suffix-capacity",
+                        "0", "--port", str(port), "--host", settings.host], env_vars, log_path)
     except OSError as exc:
         return {"error": repr(exc)}
     clients = {"with_speculation": RolloutClient(url, settings.model, n=n, max_tokens=max_tokens),
@@ -368,9 +385,13 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         return {"error": repr(exc)}
     finally:
         terminate(server)
+        _delete_stream(flags[flags.index("--redis-url") + 1], events_stream(plain_deployment))
     arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
                    "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0,
                    "rounds_tokens_per_s": per_round[name]} for name, c in clients.items()}
+    # both arms paid for telemetry: records each sent while measured (the second server only was)
+    arms["with_speculation"]["records_sent"] = after.get("records_sent", 0) - before.get("records_sent", 0)
+    arms["without_speculation"]["records_sent"] = plain.get("records_sent", 0)
     served = rates(before, after)  # tokens per step, and by proposer (the suffix index, the head)
     arms["with_speculation"].update({k: served[k] for k in ("tokens_per_step", "speedup", "suffix_acceptance_rate",
                                                             "head_acceptance_rate", "suffix_draft_tokens_per_s",
@@ -383,6 +404,13 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
             "policy": after["policy"], "policy_without": plain["policy"], "drafter": after["drafter"],
             "tasks": len(tasks), "samples_per_task": n, "max_tokens": max_tokens, "temperature": TEMPERATURE,
             "rounds": rounds, "method": SPEED_METHOD}
+
+
+def _delete_stream(redis_url: str, stream: str) -> None:
+    try:
+        redis.Redis.from_url(redis_url).delete(stream)
+    except redis.RedisError as exc:
+        log.warning("event=stream_not_deleted stream=%s error=%r", stream, exc)
 
 
 def _produce(env, client: RolloutClient, pipeline: RolloutPipeline, stop: threading.Event, pause: _Pause,
@@ -423,9 +451,7 @@ def _publish(trainer: GRPOTrainer, store: WeightsStore, url: str, token: str, re
         report["publishes"].append({"t": time.monotonic() - started, "refused": str(exc)})
         return
     samples.take()
-    # the drafter trainer swaps the same server: a 409 (its swap in flight) is waited out
-    result, error = post_swap(url, token, {"role": "policy", "version": version, "mode": "interrupt"},
-                              retries=POLICY_SWAP_RETRIES, timeout_s=300.0)
+    result, error = _swap_policy(url, token, version)
     samples.take()
     if error is not None:  # the server keeps its policy; the next publish tries again
         log.error("event=policy_swap_failed version=%s error=%s", version, error)

@@ -369,7 +369,8 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         for client in clients.values():
             client.complete(messages[0], n=n, temperature=TEMPERATURE)
             client.tokens, client.seconds = 0, 0.0
-        before = sample_metrics(url, 0.0)
+        urls = {"with_speculation": url, "without_speculation": plain_url}
+        before = {name: sample_metrics(u, 0.0) for name, u in urls.items()}
         per_round: dict[str, list[float]] = {name: [] for name in clients}
         for r in range(rounds):
             for name, client in list(clients.items())[:: 1 if r % 2 == 0 else -1]:
@@ -377,8 +378,8 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
                 for m in messages:
                     client.complete(m, n=n, temperature=TEMPERATURE)
                 per_round[name].append((client.tokens - tokens) / max(client.seconds - seconds, 1e-9))
-        after, plain = sample_metrics(url, 0.0), sample_metrics(plain_url, 0.0)
-        if before is None or after is None or plain is None:
+        after = {name: sample_metrics(u, 0.0) for name, u in urls.items()}
+        if None in (*before.values(), *after.values()):
             raise OSError("a server did not answer /metrics")
     except (SpecrlError, OSError) as exc:
         log.error("event=speed_measurement_failed error=%r", exc)
@@ -389,10 +390,13 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
     arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
                    "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0,
                    "rounds_tokens_per_s": per_round[name]} for name, c in clients.items()}
-    # both arms paid for telemetry: records each sent while measured (the second server only was)
-    arms["with_speculation"]["records_sent"] = after.get("records_sent", 0) - before.get("records_sent", 0)
-    arms["without_speculation"]["records_sent"] = plain.get("records_sent", 0)
-    served = rates(before, after)  # tokens per step, and by proposer (the suffix index, the head)
+    for name, arm in arms.items():
+        # what each server did while measured: records sent (both pay for telemetry), and its
+        # engine's decode steps and their seconds: the rest of the request time (prefill, HTTP,
+        # queueing) tells a gap between the arms that is not in the decode steps
+        delta = {k: after[name].get(k, 0) - before[name].get(k, 0) for k in ("records_sent", "decode_s", "steps")}
+        arm.update(records_sent=delta["records_sent"], decode_seconds=round(delta["decode_s"], 3), steps=delta["steps"])
+    served = rates(before["with_speculation"], after["with_speculation"])  # tokens per step, and by proposer (the suffix index, the head)
     arms["with_speculation"].update({k: served[k] for k in ("tokens_per_step", "speedup", "suffix_acceptance_rate",
                                                             "head_acceptance_rate", "suffix_draft_tokens_per_s",
                                                             "head_draft_tokens_per_s")})
@@ -401,7 +405,8 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
     ratio_median = statistics.median(spec / plain for spec, plain in zip(per_round["with_speculation"],
                                                                           per_round["without_speculation"]))
     return {**arms, "ratio": arms["with_speculation"]["tokens_per_s"] / off if off else None, "ratio_median": ratio_median,
-            "policy": after["policy"], "policy_without": plain["policy"], "drafter": after["drafter"],
+            "policy": after["with_speculation"]["policy"], "policy_without": after["without_speculation"]["policy"],
+            "drafter": after["with_speculation"]["drafter"],
             "tasks": len(tasks), "samples_per_task": n, "max_tokens": max_tokens, "temperature": TEMPERATURE,
             "rounds": rounds, "method": SPEED_METHOD}
 

@@ -136,6 +136,10 @@ def summary_lines(report: dict) -> list[str]:
                      + (f" (median over rounds {speed['ratio_median']:.2f}x)" if speed.get("ratio_median") else "")
                      + f"  ({speed['tasks']} tasks x {speed['samples_per_task']} samples, "
                      f"{speed['rounds']} rounds, policy {speed['policy']})")
+        if on.get("decode_seconds") and off.get("decode_seconds"):  # reports before the decode split lack it
+            lines.append("  decode steps " + ", ".join(
+                f"{arm['decode_seconds'] / arm['tokens'] * 1000:.2f} ms/token {name} ({arm['decode_seconds'] / arm['seconds']:.0%} "
+                "of request time)" for name, arm in (("with", on), ("without", off))))
     elif "error" in speed:
         lines.append(f"rollout tokens/s with and without speculation: not measured ({speed['error']})")
     return lines + pipeline_lines(report.get("pipeline"))

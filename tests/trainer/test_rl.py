@@ -60,6 +60,8 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
         assert speed[arm]["tokens"] > 0 and speed[arm]["tokens_per_s"] > 0
     # the server without speculation paid for telemetry as the live one does, on a stream of its own, deleted after
     assert speed["without_speculation"]["records_sent"] > 0
+    for arm in ("with_speculation", "without_speculation"):  # each engine's decode steps: a share of the request time
+        assert speed[arm]["steps"] > 0 and 0 < speed[arm]["decode_seconds"] <= speed[arm]["seconds"]
     assert not redis.Redis.from_url(REDIS_URL).exists(f"specrl:{deployment}-no-speculation:events")
     logs = "".join((tmp_path / "run" / name).read_text()
                    for name in ("server.log", "drafter-trainer.log", "server-no-speculation.log"))

@@ -78,6 +78,11 @@ def test_report_files_and_summary(tmp_path, capsys):
     assert "rl-report.json" in err
     assert "environment" in err and "2.40/s" in err
     assert "not measured" in summary_lines({**report, "speed": {"error": "OSError()"}, "pipeline": None})[-1]
+    assert not any("decode steps" in line for line in summary_lines(report))  # a report from before the split
+    split = {**speed, "with_speculation": {"tokens_per_s": 150.0, "tokens": 300, "seconds": 2.0, "decode_seconds": 1.5},
+             "without_speculation": {"tokens_per_s": 100.0, "tokens": 200, "seconds": 2.0, "decode_seconds": 1.0}}
+    [line] = [line for line in summary_lines({**report, "speed": split}) if "decode steps" in line]
+    assert "5.00 ms/token with (75% of request time)" in line and "5.00 ms/token without (50%" in line
     write_report(tmp_path, {**report, "pipeline": None})       # a report from before the pipeline: no panel
     assert (tmp_path / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
 

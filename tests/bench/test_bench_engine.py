@@ -104,3 +104,16 @@ def test_vllm_child_failure_names_its_log(tmp_path, capsys):
         _run_child([sys.executable, "-c", script], {}, log)
     assert capsys.readouterr().err.endswith("bench engine=vllm_plain B=1 tokens=3\n")  # progress passed on
     assert log.read_text() == "vllm noise\nbench engine=vllm_plain B=1 tokens=3\n"
+
+
+def test_the_report_says_what_vllms_speculative_rows_ran():
+    from specrl.apps.bench.engine import vllm_speculation
+    from specrl.apps.bench.vllm_engine import VLLM_SPEC
+
+    settings = Settings.load()
+    off = [{"engine": VLLM_SPEC, "batch_size": 1}, {"engine": VLLM_SPEC + DTYPE_SUFFIX["bfloat16"], "batch_size": 8}]
+    on = [*off, {"engine": VLLM_SPEC, "batch_size": 8, "tokens_per_step": 1.4}]
+    assert vllm_speculation(settings, [{"engine": NATIVE_SPEC, "batch_size": 1, "tokens_per_step": 1.2}]) is None
+    assert vllm_speculation(settings, off).startswith("off")  # no steps per token: the server did not draft
+    assert "schedule" in vllm_speculation(settings, on) and not vllm_speculation(settings, on).startswith("off")
+    assert vllm_speculation(settings.replace(fixed_draft_tokens=4), off) == "EAGLE, fixed k = 4"

@@ -14,7 +14,9 @@ requests do not join it: the timed run repeats the warm-up's prompts). Every eng
 (`--threads`, default: vLLM's own default on CPU, all usable cores but one). vLLM runs in child
 processes (`specrl.apps.bench.vllm_engine` says how and why), the engine `specrl serve --backend vllm`
 serves: its speculative rows use the same drafter (the day-0 head unless --drafter names one)
-with a fixed k = --max-draft-tokens, where native picks k per step. Ratios vLLM / native per B
+with k per batch size from the measured cost schedule (or --fixed-draft-tokens), where native
+picks k per step; the report says which ran (`vllm.speculation`: "off" where the schedule drafts
+at no batch size, as with the day-0 head on every CPU measured). Ratios vLLM / native per B
 for tokens/s and TTFT. Besides throughput the report holds:
 
 - the memory-bandwidth bound at B = 1: the machine's read bandwidth (`t.sum()` over a 1 GiB
@@ -384,8 +386,22 @@ def _result(settings: Settings, model_dir: Path, batch_sizes: list[int], new_tok
         "ratios": engine_ratios(rows, batch_sizes), "bandwidth": bandwidth, "memory": memory,
         "vllm": {"version": version, "measured": VLLM in backends,
                  "threads": f"{settings.threads} OpenMP threads, unpinned (VLLM_CPU_OMP_THREADS_BIND=nobind)",
-                 "speculation": f"EAGLE, fixed k = {settings.max_draft_tokens}", "drafter": settings.drafter},
+                 "speculation": vllm_speculation(settings, rows), "drafter": settings.drafter},
     }
+
+
+def vllm_speculation(settings: Settings, rows: list[dict]) -> str | None:
+    """What vLLM's speculative rows ran (None: no such rows). Without --fixed-draft-tokens the
+    server drafts by the measured per-batch-size schedule, and where that schedule drafts at no
+    batch size it starts vLLM without speculation: its rows then carry no steps per token."""
+    spec = [r for r in rows if r["engine"].startswith(VLLM_SPEC)]
+    if not spec:
+        return None
+    if settings.fixed_draft_tokens >= 0:
+        return f"EAGLE, fixed k = {settings.fixed_draft_tokens}"
+    if any("tokens_per_step" in r for r in spec):
+        return "EAGLE, k per batch size from the measured cost schedule"
+    return "off: the measured schedule drafts at no batch size (two plain vLLM engines side by side)"
 
 
 def _print_table(result: dict) -> None:
@@ -415,6 +431,8 @@ def _print_table(result: dict) -> None:
           f"{'below' if mem['peak_rss_below_limit'] else 'ABOVE'}); threads {result['threads']}; "
           f"vllm {result['vllm']['version'] or 'not installed'}"
           f"{'' if result['vllm']['measured'] else ', not measured'}")
+    if result["vllm"]["speculation"]:
+        print(f"vllm speculation: {result['vllm']['speculation']}")
 
 
 def _write_report(result: dict, out: Path) -> None:

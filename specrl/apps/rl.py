@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -188,7 +187,7 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         producer.join()  # the rollout in flight finishes; no other starts
         sampler.join()
         terminate(children[1])  # the drafter trainer: nothing but the measured requests runs from here
-        report["speed"] = _measure_speed(settings, common, env_vars, run_dir, url,
+        report["speed"] = _measure_speed(settings, common, redis_server.url, env_vars, run_dir, url,
                                          heldout[:speed_tasks], n=group_size, max_tokens=max_tokens,
                                          rounds=speed_rounds)
     finally:
@@ -329,8 +328,8 @@ class _Samples:
             self.take()
 
 
-def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir: Path, url: str, tasks: list, *,
-                   n: int, max_tokens: int, rounds: int) -> dict:
+def _measure_speed(settings: Settings, flags: list[str], redis_url: str, env_vars: dict, run_dir: Path, url: str,
+                   tasks: list, *, n: int, max_tokens: int, rounds: int) -> dict:
     """Rollout tokens/s with and without speculation, side by side, on the final policy.
 
     Method: after training has stopped (no rollouts, no evaluations, the drafter trainer ended), a
@@ -386,7 +385,7 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         return {"error": repr(exc)}
     finally:
         terminate(server)
-        _delete_stream(flags[flags.index("--redis-url") + 1], events_stream(plain_deployment))
+        _delete_stream(redis_url, events_stream(plain_deployment))
     arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
                    "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0,
                    "rounds_tokens_per_s": per_round[name]} for name, c in clients.items()}
@@ -396,7 +395,8 @@ def _measure_speed(settings: Settings, flags: list[str], env_vars: dict, run_dir
         # queueing) tells a gap between the arms that is not in the decode steps
         delta = {k: after[name].get(k, 0) - before[name].get(k, 0) for k in ("records_sent", "decode_s", "steps")}
         arm.update(records_sent=delta["records_sent"], decode_seconds=round(delta["decode_s"], 3), steps=delta["steps"])
-    served = rates(before["with_speculation"], after["with_speculation"])  # tokens per step, and by proposer (the suffix index, the head)
+    # tokens per step, and by proposer (the suffix index, the head)
+    served = rates(before["with_speculation"], after["with_speculation"])
     arms["with_speculation"].update({k: served[k] for k in ("tokens_per_step", "speedup", "suffix_acceptance_rate",
                                                             "head_acceptance_rate", "suffix_draft_tokens_per_s",
                                                             "head_draft_tokens_per_s")})

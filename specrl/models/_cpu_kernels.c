@@ -14,8 +14,8 @@
  * registers: half the bytes streamed; products and sums in float32), or bfloat16 in pairs of inputs
  * (below: AMX tiles or AVX512-BF16 dot products on x rounded to bf16); x and out are float32.
  *
- * Paths, chosen at run time from the CPU: AVX-512F (16 lanes, 6 rows x 4 vectors), AVX2 + FMA +
- * F16C (8 lanes, 6 rows x 2 vectors), and portable C; for bfloat16, AMX, AVX512-BF16 or C. Threads:
+ * Paths, chosen at run time from the CPU: AVX-512F (16 lanes, 6 rows x 4 vectors; 12 rows x 2 vectors
+ * for chunks of 7-12 rows), AVX2 + FMA + F16C (8 lanes, 6 rows x 2 vectors), and portable C; for bfloat16, AMX, AVX512-BF16 or C. Threads:
  * OpenMP over groups of outputs, with the count the caller passes (torch's), in the runtime torch already loaded (libgomp.so.1 by
  * soname: one thread pool). The GIL is released while it runs. The caller (linear.py) checks
  * shapes, dtypes and contiguity; this file trusts its arguments.
@@ -173,7 +173,38 @@ BLOCKS(avx2, AVX2, 8, 2, 6, avx2_tiles) /* 6 x 2 accumulators + 2 weight vectors
 AVX512_TILE(1) AVX512_TILE(2) AVX512_TILE(3) AVX512_TILE(4) AVX512_TILE(5) AVX512_TILE(6)
 static const tile_fn avx512_tiles[] = {NULL, tile_avx512_1, tile_avx512_2, tile_avx512_3, tile_avx512_4,
                                        tile_avx512_5, tile_avx512_6};
-BLOCKS(avx512, AVX512, 16, 4, 6, avx512_tiles)
+/* 7-12 rows: 12 x 2 accumulators + 2 weight vectors + 1 broadcast: 27 of 32 registers, over a group's two
+ * halves (see WIDE_ROWS). */
+#define AVX512_WIDE_TILE(MRV) TILE(avx512w, AVX512, __m512, 16, 2, load16, _mm512_fmadd_ps, _mm512_setzero_ps, _mm512_set1_ps, _mm512_storeu_ps, MRV)
+AVX512_WIDE_TILE(7) AVX512_WIDE_TILE(8) AVX512_WIDE_TILE(9) AVX512_WIDE_TILE(10) AVX512_WIDE_TILE(11)
+AVX512_WIDE_TILE(12)
+static const tile_fn avx512_wide_tiles[] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, tile_avx512w_7, tile_avx512w_8,
+                                            tile_avx512w_9, tile_avx512w_10, tile_avx512w_11, tile_avx512w_12};
+
+/* Row chunks: M rows in ceil(M / 12) chunks of near-equal size (13 rows: 7 + 6, not 12 + 1). A chunk of
+ * up to 6 rows takes the 6 x 4 tile over a group of four blocks; one of 7-12 rows the 12 x 2 tile over
+ * each half of the group. Why wide tiles: every chunk after a group's first re-reads the group's
+ * weights and multiplies them at a few rows, which a tile of few accumulators cannot hide; past 6 rows
+ * the 6 x 4 tile left a whole extra pass (bf16 SmolLM2 forward, AVX-512 EPYC, 2 threads: 6 rows 13.5 ms,
+ * 7 rows 15.4, while 1 -> 6 rows cost +2.5). */
+#define WIDE_ROWS 12
+static inline int64_t chunk_rows(int64_t M, int64_t m) {
+    const int64_t chunks = (M + WIDE_ROWS - 1) / WIDE_ROWS, done = m * chunks / M; /* chunks before row m */
+    return (M * (done + 1) + chunks - 1) / chunks - m;
+}
+
+__attribute__((target(AVX512))) static void blocks_avx512(const float *x, const void *w, float *out, int64_t M,
+                                                          int64_t K, int64_t N, int64_t b0, int64_t b1, int kind) {
+    for (int64_t b = b0; b < b1; b += 4)
+        for (int64_t m = 0, rows; m < M; m += rows) {
+            rows = chunk_rows(M, m);
+            if (rows <= 6) avx512_tiles[rows](x, w, out, K, N, m, b, kind);
+            else {
+                avx512_wide_tiles[rows](x, w, out, K, N, m, b, kind);
+                avx512_wide_tiles[rows](x, w, out, K, N, m, b + 2, kind);
+            }
+        }
+}
 
 /* ---- bfloat16 weights --------------------------------------------------------------------- */
 
@@ -214,18 +245,18 @@ static void blocks_bf16_portable(const uint16_t *xb, const uint16_t *w, float *o
         }
 }
 
-/* AVX512-BF16: MRV rows x 4 blocks; per input pair, 4 weight rows (64 bytes each) and one 32-bit
- * broadcast of the row's two x values per row. */
-#define BF16_TILE(MRV)                                                                                         \
-    __attribute__((target("avx512f,avx512bf16"))) static void tile_bf16_##MRV(                                 \
+/* AVX512-BF16: MRV rows x NV blocks (NV = 4 up to 6 rows, 2 for 7-12: chunk_rows); per input pair, NV weight
+ * rows (64 bytes each) and one 32-bit broadcast of the row's two x values per row. */
+#define BF16_TILE(NV, MRV)                                                                                     \
+    __attribute__((target("avx512f,avx512bf16"))) static void tile_bf16_##NV##_##MRV(                          \
         const uint16_t *xb, const uint16_t *w, float *out, int64_t K, int64_t N, int64_t m0, int64_t b0) {     \
-        __m512 acc[MRV][4];                                                                                    \
+        __m512 acc[MRV][NV];                                                                                   \
         for (int i = 0; i < MRV; i++)                                                                          \
-            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();                                      \
+            for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();                                      \
         const uint16_t *wb = w + (size_t)b0 * K * BLOCK;                                                       \
         for (int64_t p = 0; p < K / 2; p++) {                                                                  \
-            __m512i wv[4];                                                                                     \
-            for (int v = 0; v < 4; v++) {                                                                      \
+            __m512i wv[NV];                                                                                    \
+            for (int v = 0; v < NV; v++) {                                                                     \
                 const uint16_t *row = wb + ((size_t)v * K / 2 + p) * 2 * BLOCK;                                \
                 _mm_prefetch((const char *)(row + PF_AHEAD * BLOCK), _MM_HINT_T0);                             \
                 wv[v] = _mm512_loadu_si512((const void *)row);                                                 \
@@ -234,24 +265,28 @@ static void blocks_bf16_portable(const uint16_t *xb, const uint16_t *w, float *o
                 uint32_t pair;                                                                                 \
                 memcpy(&pair, xb + (m0 + i) * K + 2 * p, 4);                                                   \
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);                                    \
-                for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xv, (__m512bh)wv[v]);     \
+                for (int v = 0; v < NV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xv, (__m512bh)wv[v]);     \
             }                                                                                                  \
         }                                                                                                      \
         for (int i = 0; i < MRV; i++)                                                                          \
-            for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + (m0 + i) * N + (b0 + v) * BLOCK, acc[i][v]);  \
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + (m0 + i) * N + (b0 + v) * BLOCK, acc[i][v]);   \
     }
-BF16_TILE(1) BF16_TILE(2) BF16_TILE(3) BF16_TILE(4) BF16_TILE(5) BF16_TILE(6)
+BF16_TILE(4, 1) BF16_TILE(4, 2) BF16_TILE(4, 3) BF16_TILE(4, 4) BF16_TILE(4, 5) BF16_TILE(4, 6)
+BF16_TILE(2, 7) BF16_TILE(2, 8) BF16_TILE(2, 9) BF16_TILE(2, 10) BF16_TILE(2, 11) BF16_TILE(2, 12)
 typedef void (*bf16_tile_fn)(const uint16_t *, const uint16_t *, float *, int64_t, int64_t, int64_t, int64_t);
-static const bf16_tile_fn bf16_tiles[] = {NULL, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5,
-                                          tile_bf16_6};
+/* up to 6 rows over four blocks; 7-12 rows over two (as the float32 tiles: chunk_rows) */
+static const bf16_tile_fn bf16_tiles[] = {NULL, tile_bf16_4_1, tile_bf16_4_2, tile_bf16_4_3, tile_bf16_4_4,
+                                          tile_bf16_4_5, tile_bf16_4_6, tile_bf16_2_7, tile_bf16_2_8, tile_bf16_2_9,
+                                          tile_bf16_2_10, tile_bf16_2_11, tile_bf16_2_12};
 
 __attribute__((target("avx512f,avx512bf16"))) static void blocks_bf16_avx512(
     const uint16_t *xb, const uint16_t *w, float *out, int64_t M, int64_t K, int64_t N, int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b += 4) {
-        int64_t m = 0;
-        for (; m + 6 <= M; m += 6) tile_bf16_6(xb, w, out, K, N, m, b);
-        if (m < M) bf16_tiles[M - m](xb, w, out, K, N, m, b);
-    }
+    for (int64_t b = b0; b < b1; b += 4)
+        for (int64_t m = 0, rows; m < M; m += rows) {
+            rows = chunk_rows(M, m);
+            bf16_tiles[rows](xb, w, out, K, N, m, b);
+            if (rows > 6) bf16_tiles[rows](xb, w, out, K, N, m, b + 2);
+        }
 }
 
 /* AMX: tiles 0-3 accumulate 16 rows x 4 blocks (float32), tile 4 holds 16 rows x 32 inputs of x,

@@ -40,7 +40,7 @@ import torch
 
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for
 
-SCHEMA = 2  # 2: two passes per measurement
+SCHEMA = 3  # 2: two passes per measurement; 3: the stream kernel's 12 x 2 tiles for 7-12 rows
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 136, 512)
 HEAD_BUCKETS = tuple(b for b in BUCKETS if b <= 48)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # the weights' dtype

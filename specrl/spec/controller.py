@@ -15,12 +15,12 @@ draft) plus h drafter passes when the head drafts h tokens. A start-up calibrati
 for every (B, T) with N = B * T (a packed step reads as T = N / B, interpolated) and the drafter
 pass, each point the fastest of a few rounds that visit every point in turn (a burst of load
 during start-up, another process loading a model, falls on one round, not on one point). Observed
-steps scale it: per batch size, the median of the last `window` ratios of observed over predicted
-seconds (the machine's speed now, pooled over every step of that size, so that the curve's shape
-stays the calibrated one: a noisy timing of one width cannot make it look free; a median, so
-that one step stalled by another process does not set the scale of a batch size seen rarely
-afterwards, as a moving average let it: the engine's speed-up estimate read 2.26x on rollouts
-that ran at 0.92x plain).
+steps scale it: per batch size and kind of step (`CostModel`), the median of the last `window`
+ratios of observed over predicted seconds (the machine's speed now, pooled over every step of that
+size and kind, so that the curve's shape stays the calibrated one: a noisy timing of one width
+cannot make it look free; a median, so that one step stalled by another process does not set the
+scale of a batch size seen rarely afterwards, as a moving average let it: the engine's speed-up
+estimate read 2.26x on rollouts that ran at 0.92x plain).
 
 The plan maximises expected tokens per second over the head's k and each row's draft: for each k,
 the rows whose whole suffix draft is worth less than the head's k tokens go to the head, and the
@@ -67,12 +67,17 @@ class CostModel:
 
     `target[(B, T)]`: one target forward over T positions for each of B sequences (interpolated
     over B and T between calibrated points); `draft[B]`: one drafter pass for B sequences;
-    `scale[(B, drafting)]`: observed over predicted seconds of whole steps of B sequences, apart
-    for steps that draft and steps that do not (medians of the last `window`). A drafting step pays what the
-    calibrated forwards leave out (proposing, assembling, packing the verify, the acceptance
-    rule): measured in `bench adapt` at B=4, a pooled scale let those steps look ~20% cheaper than
-    they were, and the hybrid drafted itself below plain decoding. Each kind falls back on the
-    other's scale until it has been observed."""
+    `scale[(B, kind)]`: observed over predicted seconds of whole steps of B sequences, apart for
+    each kind of step (`StepPlan.kind`: the head drafted, only the suffix index drafted, nobody
+    drafted; medians of the last `window`). A drafting step pays what the calibrated forwards leave
+    out (proposing, assembling, packing the verify, the acceptance rule): measured in `bench adapt`
+    at B=4, a scale pooled with plain steps let those steps look ~20% cheaper than they were, and
+    the hybrid drafted itself below plain decoding. A head step pays more of it than an index step:
+    its catch-up pass runs over every position verified since the row last drafted with the head
+    (up to 17 after an index draft, where the prior counts one), and its passes' Python; pooled with
+    the index's steps, which are most drafting steps, that went unseen (`bench adapt`, 10 min: the
+    hybrid at B=4 1.10x plain against the index alone 1.22x, at the same 1.53 tokens a step). A kind
+    not yet observed borrows the scale of the next in `_FALLBACK`."""
 
     target: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
@@ -119,7 +124,8 @@ class CostModel:
         """A step of `batch` sequences verifying `rows` positions, the head drafting head_k tokens
         for head_rows of them (None: all): the calibrated prior, scaled by what steps of this batch
         size took lately."""
-        return self._scale(batch, rows > batch) * self._prior(batch, rows, head_k, batch if head_rows is None else head_rows)
+        head_rows = batch if head_rows is None else head_rows
+        return self._scale(batch, _kind(batch, rows, head_k, head_rows)) * self._prior(batch, rows, head_k, head_rows)
 
     def plain_share(self, batch: int, rows: int, head_k: int, head_rows: int) -> float:
         """A plain step of `batch` rows as a share of a step verifying `rows` positions with head_k
@@ -127,8 +133,8 @@ class CostModel:
         share holds at whatever speed the machine runs now."""
         return self._prior(batch, batch, 0, batch) / self._prior(batch, rows, head_k, head_rows)
 
-    def _scale(self, batch: int, drafting: bool) -> float:
-        return self.scale.get((batch, drafting), self.scale.get((batch, not drafting), 1.0))
+    def _scale(self, batch: int, kind: str) -> float:
+        return next((self.scale[(batch, k)] for k in _FALLBACK[kind] if (batch, k) in self.scale), 1.0)
 
     def _prior(self, batch: int, rows: int, head_k: int, head_rows: int) -> float:
         # h drafter passes: the catch-up pass over the newly verified positions yields the first
@@ -149,8 +155,9 @@ class CostModel:
         self.observe_rows(batch, batch * (width + 1), seconds, width if head_k is None else head_k)
 
     def observe_rows(self, batch: int, rows: int, seconds: float, head_k: int, head_rows: int | None = None) -> None:
-        ratio = seconds / self._prior(batch, rows, head_k, batch if head_rows is None else head_rows)
-        key = (batch, rows > batch)
+        head_rows = batch if head_rows is None else head_rows
+        ratio = seconds / self._prior(batch, rows, head_k, head_rows)
+        key = (batch, _kind(batch, rows, head_k, head_rows))
         ratios = self._ratios.setdefault(key, deque(maxlen=self.window))
         ratios.append(ratio)
         self.scale[key] = statistics.median(ratios)
@@ -171,6 +178,15 @@ class CostModel:
     def _interp_draft(self, batch: int) -> float:
         points = sorted(self.draft.items())
         return _interpolate(points, batch) if points else 0.2
+
+
+# the scale a kind of step borrows until it has been observed: the other drafting kind's first
+_FALLBACK = {HEAD: (HEAD, SUFFIX, NONE), SUFFIX: (SUFFIX, HEAD, NONE), NONE: (NONE, SUFFIX, HEAD)}
+
+
+def _kind(batch: int, rows: int, head_k: int, head_rows: int) -> str:
+    """The kind of a step (as `StepPlan.kind`) from its cost arguments."""
+    return HEAD if head_k and head_rows else SUFFIX if rows > batch else NONE
 
 
 def _time(fn) -> float:

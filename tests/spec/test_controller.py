@@ -87,6 +87,41 @@ def test_one_stalled_step_does_not_set_the_scale():
     assert costs.step_cost(1, 0) == pytest.approx(2 * step_cost(0))
 
 
+def test_head_steps_keep_a_cost_scale_of_their_own():
+    """A head step pays more than its prior (its catch-up runs over every position verified since the
+    row last drafted with the head): head steps observed at 3x their prior scale head plans only;
+    index steps and plain steps keep their own scales, and a kind not yet seen borrows the other
+    drafting kind's before plain's."""
+    costs = facts_costs()
+    head_prior, index_prior = costs.verify_cost(1, 3, 2, 1), costs.verify_cost(1, 3)
+    costs.observe_rows(1, 3, 3 * head_prior, head_k=2, head_rows=1)
+    assert costs.verify_cost(1, 3) == pytest.approx(3 * index_prior)  # the index borrows the head's until seen
+    costs.observe_rows(1, 3, index_prior, head_k=0)
+    assert costs.verify_cost(1, 3, 2, 1) == pytest.approx(3 * head_prior)
+    assert costs.verify_cost(1, 3) == pytest.approx(index_prior)
+    assert costs.verify_cost(1, 1) == pytest.approx(costs._prior(1, 1, 0, 1))  # plain borrows the index's
+    costs.observe_rows(1, 1, 2 * costs._prior(1, 1, 0, 1), head_k=0)
+    assert costs.verify_cost(1, 1) == pytest.approx(2 * costs._prior(1, 1, 0, 1))
+    assert costs.verify_cost(2, 3) == pytest.approx(costs._prior(2, 3, 0, 2))  # another batch size: its prior
+
+
+def test_slow_head_steps_send_a_row_to_the_index_not_to_plain_decoding():
+    """The model prefers the head for a row whose index draft is weak; head steps then measure at 3x
+    their cost and index steps as modelled. The row goes to the index: a scale pooled over both
+    kinds (the median of 3 and 1 is 3 when head steps are the most) priced the index's steps at the
+    head's overhead too, and the row went plain."""
+    ctl = SpeculationController(4, wide_costs(), initial_accept_rate=0.7,
+                                suffix_acceptance=SuffixAcceptance(initial=1.0), probe_every=10 ** 6)
+    offer = [RowOffer(100, suffix([0.5]))]
+    plan = ctl.plan(offer, head=True)
+    assert plan.proposers == [HEAD] and plan.head_k == 3
+    for _ in range(8):
+        ctl.costs.observe_rows(1, plan.rows, 3 * ctl.costs._prior(1, plan.rows, 3, 1), 3, 1)
+    for _ in range(7):
+        ctl.costs.observe_rows(1, 2, ctl.costs._prior(1, 2, 0, 1), 0)
+    assert ctl.plan(offer, head=True).proposers == [SUFFIX]
+
+
 def test_step_cost_interpolates_over_batch():
     costs = CostModel(target={(2, 1): 1.0, (8, 1): 2.2, (2, 3): 2.0, (8, 3): 3.2}, draft={2: 0.2, 8: 0.5})
     assert costs.step_cost(2, 0) == pytest.approx(1.0)
@@ -376,7 +411,7 @@ def test_drafting_steps_that_run_slower_than_modelled_stop_drafting():
     assert all(drafted[: ctl.guard.min_steps])  # the model said drafting pays, so it was tried first
     assert not any(drafted[ctl.guard.min_steps: 2 * ctl.guard.min_steps])  # then plain steps to compare with
     assert sum(drafted[100:]) <= 8  # and drafting stopped: the drafting steps' own cost scale says 3x
-    assert ctl.costs.scale[(2, True)] == pytest.approx(3.0) and ctl.costs.scale[(2, False)] == pytest.approx(1.0)
+    assert ctl.costs.scale[(2, SUFFIX)] == pytest.approx(3.0) and ctl.costs.scale[(2, NONE)] == pytest.approx(1.0)
 
 
 def test_drafting_that_measures_faster_is_never_paused():

@@ -14,8 +14,9 @@
  * registers: half the bytes streamed; products and sums in float32), or bfloat16 in pairs of inputs
  * (below: AMX tiles or AVX512-BF16 dot products on x rounded to bf16); x and out are float32.
  *
- * Paths, chosen at run time from the CPU: AVX-512F (16 lanes, 6 rows x 4 vectors; 12 rows x 2 vectors
- * for chunks of 7-12 rows), AVX2 + FMA + F16C (8 lanes, 6 rows x 2 vectors), and portable C; for bfloat16, AMX, AVX512-BF16 or C. Threads:
+ * Paths, chosen at run time from the CPU: AVX-512F (16 lanes, 6 rows x 4 vectors; 12 rows x 2
+ * vectors for chunks of 7-12 rows), AVX2 + FMA + F16C (8 lanes, 6 rows x 2 vectors), and portable C;
+ * for bfloat16, AMX, AVX512-BF16 or C. Threads:
  * OpenMP over groups of outputs, with the count the caller passes (torch's), in the runtime torch already loaded (libgomp.so.1 by
  * soname: one thread pool). The GIL is released while it runs. The caller (linear.py) checks
  * shapes, dtypes and contiguity; this file trusts its arguments.
@@ -171,15 +172,15 @@ BLOCKS(avx2, AVX2, 8, 2, 6, avx2_tiles) /* 6 x 2 accumulators + 2 weight vectors
  * at 8 rows and slower at 1-5 on [3072, 576], a layer's largest weight.) */
 #define AVX512_TILE(MRV) TILE(avx512, AVX512, __m512, 16, 4, load16, _mm512_fmadd_ps, _mm512_setzero_ps, _mm512_set1_ps, _mm512_storeu_ps, MRV)
 AVX512_TILE(1) AVX512_TILE(2) AVX512_TILE(3) AVX512_TILE(4) AVX512_TILE(5) AVX512_TILE(6)
-static const tile_fn avx512_tiles[] = {NULL, tile_avx512_1, tile_avx512_2, tile_avx512_3, tile_avx512_4,
-                                       tile_avx512_5, tile_avx512_6};
 /* 7-12 rows: 12 x 2 accumulators + 2 weight vectors + 1 broadcast: 27 of 32 registers, over a group's two
  * halves (see WIDE_ROWS). */
 #define AVX512_WIDE_TILE(MRV) TILE(avx512w, AVX512, __m512, 16, 2, load16, _mm512_fmadd_ps, _mm512_setzero_ps, _mm512_set1_ps, _mm512_storeu_ps, MRV)
 AVX512_WIDE_TILE(7) AVX512_WIDE_TILE(8) AVX512_WIDE_TILE(9) AVX512_WIDE_TILE(10) AVX512_WIDE_TILE(11)
 AVX512_WIDE_TILE(12)
-static const tile_fn avx512_wide_tiles[] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, tile_avx512w_7, tile_avx512w_8,
-                                            tile_avx512w_9, tile_avx512w_10, tile_avx512w_11, tile_avx512w_12};
+/* up to 6 rows over four blocks; 7-12 rows over two (chunk_rows) */
+static const tile_fn avx512_tiles[] = {NULL, tile_avx512_1, tile_avx512_2, tile_avx512_3, tile_avx512_4,
+                                       tile_avx512_5, tile_avx512_6, tile_avx512w_7, tile_avx512w_8,
+                                       tile_avx512w_9, tile_avx512w_10, tile_avx512w_11, tile_avx512w_12};
 
 /* Row chunks: M rows in ceil(M / 12) chunks of near-equal size (13 rows: 7 + 6, not 12 + 1). A chunk of
  * up to 6 rows takes the 6 x 4 tile over a group of four blocks; one of 7-12 rows the 12 x 2 tile over
@@ -198,11 +199,8 @@ __attribute__((target(AVX512))) static void blocks_avx512(const float *x, const 
     for (int64_t b = b0; b < b1; b += 4)
         for (int64_t m = 0, rows; m < M; m += rows) {
             rows = chunk_rows(M, m);
-            if (rows <= 6) avx512_tiles[rows](x, w, out, K, N, m, b, kind);
-            else {
-                avx512_wide_tiles[rows](x, w, out, K, N, m, b, kind);
-                avx512_wide_tiles[rows](x, w, out, K, N, m, b + 2, kind);
-            }
+            avx512_tiles[rows](x, w, out, K, N, m, b, kind);
+            if (rows > 6) avx512_tiles[rows](x, w, out, K, N, m, b + 2, kind);
         }
 }
 
@@ -274,7 +272,7 @@ static void blocks_bf16_portable(const uint16_t *xb, const uint16_t *w, float *o
 BF16_TILE(4, 1) BF16_TILE(4, 2) BF16_TILE(4, 3) BF16_TILE(4, 4) BF16_TILE(4, 5) BF16_TILE(4, 6)
 BF16_TILE(2, 7) BF16_TILE(2, 8) BF16_TILE(2, 9) BF16_TILE(2, 10) BF16_TILE(2, 11) BF16_TILE(2, 12)
 typedef void (*bf16_tile_fn)(const uint16_t *, const uint16_t *, float *, int64_t, int64_t, int64_t, int64_t);
-/* up to 6 rows over four blocks; 7-12 rows over two (as the float32 tiles: chunk_rows) */
+/* up to 6 rows over four blocks; 7-12 rows over two (chunk_rows) */
 static const bf16_tile_fn bf16_tiles[] = {NULL, tile_bf16_4_1, tile_bf16_4_2, tile_bf16_4_3, tile_bf16_4_4,
                                           tile_bf16_4_5, tile_bf16_4_6, tile_bf16_2_7, tile_bf16_2_8, tile_bf16_2_9,
                                           tile_bf16_2_10, tile_bf16_2_11, tile_bf16_2_12};

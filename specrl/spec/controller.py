@@ -125,7 +125,7 @@ class CostModel:
         for head_rows of them (None: all): the calibrated prior, scaled by what steps of this batch
         size took lately."""
         head_rows = batch if head_rows is None else head_rows
-        return self._scale(batch, _kind(batch, rows, head_k, head_rows)) * self._prior(batch, rows, head_k, head_rows)
+        return self._scale(batch, step_kind(batch, rows, head_k, head_rows)) * self._prior(batch, rows, head_k, head_rows)
 
     def plain_share(self, batch: int, rows: int, head_k: int, head_rows: int) -> float:
         """A plain step of `batch` rows as a share of a step verifying `rows` positions with head_k
@@ -134,7 +134,11 @@ class CostModel:
         return self._prior(batch, batch, 0, batch) / self._prior(batch, rows, head_k, head_rows)
 
     def _scale(self, batch: int, kind: str) -> float:
-        return next((self.scale[(batch, k)] for k in _FALLBACK[kind] if (batch, k) in self.scale), 1.0)
+        for borrowed in _FALLBACK[kind]:  # a loop, not a generator: the planner asks ~60 times a step
+            scale = self.scale.get((batch, borrowed))
+            if scale is not None:
+                return scale
+        return 1.0
 
     def _prior(self, batch: int, rows: int, head_k: int, head_rows: int) -> float:
         # h drafter passes: the catch-up pass over the newly verified positions yields the first
@@ -157,7 +161,7 @@ class CostModel:
     def observe_rows(self, batch: int, rows: int, seconds: float, head_k: int, head_rows: int | None = None) -> None:
         head_rows = batch if head_rows is None else head_rows
         ratio = seconds / self._prior(batch, rows, head_k, head_rows)
-        key = (batch, _kind(batch, rows, head_k, head_rows))
+        key = (batch, step_kind(batch, rows, head_k, head_rows))
         ratios = self._ratios.setdefault(key, deque(maxlen=self.window))
         ratios.append(ratio)
         self.scale[key] = statistics.median(ratios)
@@ -184,8 +188,10 @@ class CostModel:
 _FALLBACK = {HEAD: (HEAD, SUFFIX, NONE), SUFFIX: (SUFFIX, HEAD, NONE), NONE: (NONE, SUFFIX, HEAD)}
 
 
-def _kind(batch: int, rows: int, head_k: int, head_rows: int) -> str:
-    """The kind of a step (as `StepPlan.kind`) from its cost arguments."""
+def step_kind(batch: int, rows: int, head_k: int, head_rows: int) -> str:
+    """A step's kind: HEAD when the head drafted for any row (its passes are the step's extra cost),
+    else SUFFIX when any row verifies drafts (the index's), else NONE (a plain step). From the cost
+    model's arguments, so that the planner's costs and the plans it observes file steps alike."""
     return HEAD if head_k and head_rows else SUFFIX if rows > batch else NONE
 
 
@@ -308,9 +314,8 @@ class StepPlan:
 
     @property
     def kind(self) -> str:
-        """What the guard files the step under: HEAD when the head drafted for any row (its passes
-        are the step's extra cost), else SUFFIX when the index did, else NONE (a plain step)."""
-        return HEAD if HEAD in self.proposers else SUFFIX if SUFFIX in self.proposers else NONE
+        """What the guard and the cost scales file the step under (`step_kind`)."""
+        return step_kind(len(self.lengths), self.rows, self.head_k, len(self.rows_of(HEAD)))
 
 
 class SpeculationController:

@@ -1,5 +1,8 @@
-"""The entry points the engine and the trainer call: check the inputs, then run the Triton kernel
-when the tensors are on a CUDA device and triton imports, else the torch twin."""
+"""The entry points the engine and the trainer call: check the inputs, then run the fastest
+implementation measured for the device: verification runs the Triton kernel when the tensors are
+on a CUDA device and triton imports (7-11x the twin on an H200), else the torch twin; the drafter
+loss runs its chunked torch twin everywhere (on an H200 it beat the Triton loss kernels at every
+shape measured: drafter_loss_triton.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,6 @@ import torch
 from . import drafter_loss as loss_twin
 from .checks import check_loss_inputs, check_verify_inputs
 from .verify import rejection_sample_torch
-
-TRITON_LOSS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 @functools.cache
 def triton_available() -> bool:
@@ -71,8 +71,5 @@ def fused_drafter_loss(hidden: torch.Tensor, weight: torch.Tensor, target_logits
     rejected_rows = empty if rejected_rows is None else rejected_rows
     rejected_tokens = empty if rejected_tokens is None else rejected_tokens
     check_loss_inputs(hidden, weight, target_logits, rejected_rows, rejected_tokens, neg_weight)
-    impl = loss_twin
-    if use_triton(hidden) and hidden.dtype in TRITON_LOSS_DTYPES:
-        from . import drafter_loss_triton as impl
     return loss_twin.drafter_loss(hidden, weight, target_logits, rejected_rows.long(), rejected_tokens.long(),
-                                  float(neg_weight), impl=impl)
+                                  float(neg_weight))

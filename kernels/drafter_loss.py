@@ -149,7 +149,7 @@ def negative_term(hidden: torch.Tensor, weight: torch.Tensor, rejected_rows: tor
                    .sum(-1) for i in range(0, r, PAIR_BLOCK)])
     rest = torch.where(stats.top[rejected_rows] == rejected_tokens, stats.top_rest[rejected_rows],
                        -torch.expm1(z - stats.lse_q[rejected_rows]))  # 1 - q_r
-    floor = 1 - torch.tensor(NEG_CLAMP, dtype=cdt)  # 1 - c as the compute dtype rounds c
+    floor = 1 - torch.tensor(NEG_CLAMP, dtype=cdt, device=hidden.device)  # 1 - c as the compute dtype rounds c
     term = -torch.log(rest.clamp(min=floor)).sum() * (neg_weight / r)
     coeff = torch.where(rest >= floor, (1 - rest) / rest.clamp(min=floor), 0) * (neg_weight / r)
     return term, coeff

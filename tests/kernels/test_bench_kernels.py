@@ -26,11 +26,12 @@ def test_bench_kernels_writes_json_png_and_table(tmp_path, capsys):
     small, huge = report["loss"]
     assert small["twin_ms"] > 0 and small["reference_ms"] > 0
     assert small["twin_peak_bytes"] >= 0 and small["reference_peak_bytes"] >= 0
-    assert small["reference_max_rel_diff"] < 1e-4  # the twin and the materialised reference agree
+    # the twin and the materialised reference agree (on a GPU the bench runs them in bfloat16 with TF32)
+    assert small["reference_max_rel_diff"] < (1e-2 if torch.cuda.is_available() else 1e-4)
     if not torch.cuda.is_available():
         assert "triton_ms" not in small and report["triton_used"] is False
         assert "GiB" in huge["twin_skipped"] and "GiB" in huge["reference_skipped"]  # over the CPU RAM budget
-        assert any("pending a GPU session" in note for note in report["notes"])
+        assert any("Measured on a GPU" in note for note in report["notes"])
     assert (tmp_path / "bench-kernels.png").read_bytes().startswith(PNG_SIGNATURE)
     out = capsys.readouterr().out
     assert "loop/twin" in out and "twin skipped" in out and str(tmp_path / "bench-kernels.json") in out

@@ -154,10 +154,10 @@ class Engine:
         started = time.perf_counter()
         sampler = _sampler(running)
         peers = _peers(running)
-        suffix = [self._suffix_draft(s, peers.get(s.prompt_key, ())) for s in running]
+        suffix = [self._suffix_draft(s, peers.get(s.prompt_key, ()), sampler, b) for b, s in enumerate(running)]
         plan = self.controller.plan([RowOffer(s.remaining_tokens - 1, d) for s, d in zip(running, suffix)],
                                     head=self.drafter is not None)
-        draft = self._draft(running, plan, [d.tokens if d is not None else [] for d in suffix], sampler)
+        draft = self._draft(running, plan, suffix, sampler)
         result = verify(target, self.cache, torch.tensor([s.pending_token for s in running]),
                         torch.tensor([s.slot for s in running]), torch.tensor([s.num_computed for s in running]),
                         draft, sampler)
@@ -172,15 +172,18 @@ class Engine:
                                                                            len(running) + int(result.accepted.sum()))
         return outputs
 
-    def _suffix_draft(self, seq: Sequence, peers) -> SuffixDraft | None:
-        """The suffix index's draft after `seq`'s tokens, its peers' text counting as its own (None:
-        no index, or no room to draft)."""
+    def _suffix_draft(self, seq: Sequence, peers, sampler: RowSampler, row: int) -> SuffixDraft | None:
+        """The suffix index's draft after `seq`'s tokens (row `row` of the step), its peers' text
+        counting as its own, drawn from the votes for a row that samples (None: no index, or no
+        room to draft)."""
         room = min(seq.remaining_tokens - 1, self.settings.suffix_max_tokens)
         if self.suffix is None or self.controller.fixed_k is not None or room <= 0:  # a fixed k drafts with the head only
             return None
-        return self.suffix.propose(seq.suffix, room, self.settings.suffix_min_confidence, peers)
+        return self.suffix.propose(seq.suffix, room, self.settings.suffix_min_confidence, peers,
+                                   sampler.draft_uniforms(row, room))
 
-    def _draft(self, running: list[Sequence], plan: StepPlan, suffix: list[list[int]], sampler: RowSampler) -> Draft:
+    def _draft(self, running: list[Sequence], plan: StepPlan, suffix: list[SuffixDraft | None],
+               sampler: RowSampler) -> Draft:
         """The step's drafts as the plan says: the head's for its rows (drafted together), the
         suffix index's for the others."""
         if plan.width == 0:

@@ -437,20 +437,34 @@ static inline int64_t vote_slot(IndexObject *self, int32_t t, int *distinct) {
 }
 
 static PyObject *Index_propose(IndexObject *self, PyObject *args) {
-    ContextObject *c; int max_tokens; double min_confidence; PyObject *peer_arg = NULL;
-    if (!PyArg_ParseTuple(args, "O!id|O", &ContextType, &c, &max_tokens, &min_confidence, &peer_arg)) return NULL;
+    ContextObject *c; int max_tokens; double min_confidence; PyObject *peer_arg = NULL, *uniform_arg = NULL;
+    if (!PyArg_ParseTuple(args, "O!id|OO", &ContextType, &c, &max_tokens, &min_confidence, &peer_arg, &uniform_arg))
+        return NULL;
     if (c->owner != self) {
         PyErr_SetString(PyExc_ValueError, "the context was made by another index (use that index's new_request())");
         return NULL;
     }
+    /* sampled drafts: token j is drawn from the votes with uniforms[j] (inverse CDF, first-seen order) */
+    PyObject *uniforms = NULL, *votes = NULL;
+    if (uniform_arg && uniform_arg != Py_None) {
+        uniforms = PySequence_Fast(uniform_arg, "uniforms must be a sequence of floats");
+        if (!uniforms) return NULL;
+        if (PySequence_Fast_GET_SIZE(uniforms) < max_tokens) {
+            Py_DECREF(uniforms);
+            PyErr_SetString(PyExc_ValueError, "uniforms must hold at least max_tokens floats");
+            return NULL;
+        }
+        votes = PyList_New(0);
+        if (!votes) { Py_DECREF(uniforms); return NULL; }
+    }
     PyObject *peers = peer_arg && peer_arg != Py_None ? PySequence_Fast(peer_arg, "peers must be a sequence of contexts")
                                                       : PyTuple_New(0);
-    if (!peers) return NULL;
+    if (!peers) { Py_XDECREF(uniforms); Py_XDECREF(votes); return NULL; }
     Py_ssize_t n_peers = PySequence_Fast_GET_SIZE(peers);
     PyObject **peer_items = PySequence_Fast_ITEMS(peers);
     for (Py_ssize_t i = 0; i < n_peers; i++) {
         if (!PyObject_TypeCheck(peer_items[i], &ContextType) || ((ContextObject *)peer_items[i])->owner != self) {
-            Py_DECREF(peers);
+            Py_DECREF(peers); Py_XDECREF(uniforms); Py_XDECREF(votes);
             PyErr_SetString(PyExc_ValueError, "peers must be contexts made by this index's new_request()");
             return NULL;
         }
@@ -482,16 +496,17 @@ static PyObject *Index_propose(IndexObject *self, PyObject *args) {
     const int own = n_own > 0;
     if (max_tokens > self->draft_cap) {
         int32_t *d = PyMem_Realloc(self->draft, sizeof(int32_t) * max_tokens);
-        if (!d) { Py_DECREF(peers); return PyErr_NoMemory(); }
+        if (!d) { Py_DECREF(peers); Py_XDECREF(uniforms); Py_XDECREF(votes); return PyErr_NoMemory(); }
         self->draft = d; self->draft_cap = max_tokens;
     }
     PyObject *confidences = PyList_New(0);
-    if (!confidences) { Py_DECREF(peers); return NULL; }
+    if (!confidences) { Py_DECREF(peers); Py_XDECREF(uniforms); Py_XDECREF(votes); return NULL; }
     int64_t n = c->n, cap = self->capacity;
-    int K = 0;
+    int K = 0, distinct = 0;
     double product = 1.0;
+    PyObject *step_votes = NULL;
     while (K < max_tokens && n_own + n_glob > 0) {   /* draft: vote, keep the agreeing occurrences */
-        int distinct = 0;
+        distinct = 0;
         for (int i = 0; i < n_own; i++) {   /* the request's own text runs on into the draft; a peer's ends */
             int64_t q = self->own_pos[i];
             const ContextObject *src = self->own_src[i];
@@ -511,16 +526,40 @@ static PyObject *Index_propose(IndexObject *self, PyObject *args) {
             int64_t s = self->vote_order[i];
             total += self->vote_count[s];
             if (self->vote_count[s] > best_votes) { best = self->vote_keys[s]; best_votes = self->vote_count[s]; }
-            self->vote_keys[s] = -1;   /* clear the table for the next step */
         }
+        if (uniforms) {   /* draw instead: the first token whose running count passes u * total */
+            double u = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(uniforms, K));
+            if (u == -1.0 && PyErr_Occurred()) goto fail;
+            double bar = u * (double)total, seen = 0;
+            best = -1;
+            step_votes = PyTuple_New(2);
+            PyObject *ids = PyList_New(distinct), *shares = PyList_New(distinct);
+            if (step_votes) { PyTuple_SET_ITEM(step_votes, 0, ids); PyTuple_SET_ITEM(step_votes, 1, shares); }
+            else { Py_XDECREF(ids); Py_XDECREF(shares); }
+            if (!step_votes || !ids || !shares) goto fail;
+            for (int i = 0; i < distinct; i++) {
+                int64_t s = self->vote_order[i];
+                seen += (double)self->vote_count[s];
+                if (best < 0 && (seen > bar || i == distinct - 1)) { best = self->vote_keys[s]; best_votes = self->vote_count[s]; }
+                PyObject *id = PyLong_FromLong(self->vote_keys[s]);
+                PyObject *share = PyFloat_FromDouble((double)self->vote_count[s] / (double)total);
+                if (!id || !share) { Py_XDECREF(id); Py_XDECREF(share); goto fail; }
+                PyList_SET_ITEM(ids, i, id); PyList_SET_ITEM(shares, i, share);
+            }
+        }
+        for (int i = 0; i < distinct; i++) self->vote_keys[self->vote_order[i]] = -1;   /* clear the table */
         double confidence = (double)best_votes / (double)total;
         product *= confidence;
-        if (product < min_confidence) break;
+        if (product < min_confidence) { Py_XDECREF(step_votes); step_votes = NULL; break; }
         PyObject *f = PyFloat_FromDouble(confidence);
-        if (!f || PyList_Append(confidences, f) < 0) {
-            Py_XDECREF(f); Py_DECREF(confidences); Py_DECREF(peers); return NULL;
-        }
+        if (!f || PyList_Append(confidences, f) < 0) { Py_XDECREF(f); goto fail; }
         Py_DECREF(f);
+        if (step_votes) {
+            int bad = PyList_Append(votes, step_votes);
+            Py_DECREF(step_votes);
+            step_votes = NULL;
+            if (bad < 0) goto fail;
+        }
         self->draft[K++] = best;
         int kept = 0;
         for (int i = 0; i < n_own; i++)
@@ -530,17 +569,24 @@ static PyObject *Index_propose(IndexObject *self, PyObject *args) {
         n_glob = kept;
     }
     Py_DECREF(peers);
+    Py_XDECREF(uniforms);
     PyObject *tokens = PyList_New(K);
-    if (!tokens) { Py_DECREF(confidences); return NULL; }
+    if (!tokens) { Py_DECREF(confidences); Py_XDECREF(votes); return NULL; }
     for (int i = 0; i < K; i++) PyList_SET_ITEM(tokens, i, PyLong_FromLong(self->draft[i]));
-    return Py_BuildValue("(NNLN)", tokens, confidences, (long long)match, PyBool_FromLong(own));
+    if (!votes) { votes = Py_None; Py_INCREF(votes); }
+    return Py_BuildValue("(NNLNN)", tokens, confidences, (long long)match, PyBool_FromLong(own), votes);
+fail:   /* an error while drafting: the vote table is cleared, every reference dropped */
+    for (int i = 0; i < distinct; i++) self->vote_keys[self->vote_order[i]] = -1;
+    Py_XDECREF(step_votes); Py_DECREF(confidences); Py_DECREF(peers); Py_XDECREF(uniforms); Py_XDECREF(votes);
+    return NULL;
 }
 
 static PyMethodDef Index_methods[] = {
     {"add", (PyCFunction)Index_add, METH_O, "add(tokens): append one document, evicting the oldest as needed."},
     {"new_context", (PyCFunction)Index_new_context, METH_NOARGS, "new_context() -> an empty request Context."},
     {"propose", (PyCFunction)Index_propose, METH_VARARGS,
-     "propose(ctx, max_tokens, min_confidence, peers=()) -> (token ids, confidences, match length, own)."},
+     "propose(ctx, max_tokens, min_confidence, peers=(), uniforms=None) -> (token ids, confidences, match length, own,"
+     " votes): with uniforms, each token drawn from the votes, votes[j] = (ids, shares) of step j; else None."},
     {NULL},
 };
 

@@ -1,8 +1,9 @@
 """Propose: the drafts of one verify step, from the learned head and the suffix index.
 
 The head (EAGLE) first catches up on the target features of the positions verified since its
-last turn, then drafts k tokens for each of its rows. The suffix index's drafts are deterministic
-(q is one-hot at the drafted token). `assemble` puts both into one `Draft` padded to the step's
+last turn, then drafts k tokens for each of its rows. The suffix index's drafts are the most voted
+tokens (q is one-hot at the drafted token), or for a sampled row drawn from the votes (q is the
+vote distribution: suffix_index.py, "Sampled drafts"). `assemble` puts both into one `Draft` padded to the step's
 width, each row with its own length (kernels/verify.py: the padding convention).
 """
 
@@ -16,6 +17,7 @@ from specrl.kernels import inverse_cdf_sample
 from specrl.models.drafter import EagleDrafter
 from specrl.models.kv_cache import KVCache
 from specrl.spec.sampling import RowSampler
+from specrl.spec.suffix_index import SuffixDraft
 
 
 @dataclass
@@ -23,7 +25,8 @@ class Draft:
     """tokens [B, K] int64 (target ids; entries past a row's length are padding); probs [B, K, V]
     float32 in the target vocabulary, the distributions the tokens were drawn from (None when every
     row is greedy); logprobs [B, K] float32, log q of each drafted token (temperature 1 for greedy
-    rows; 0 for the suffix index's); lengths [B] int64, each row's draft length (None: all K)."""
+    rows; for the suffix index's, the log vote share of a sampled draft, 0 for a most-voted one);
+    lengths [B] int64, each row's draft length (None: all K)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
@@ -41,10 +44,11 @@ class Draft:
 
 
 def assemble(width: int, lengths: list[int], head_rows: list[int], head: Draft | None,
-             suffix: list[list[int]], vocab_size: int, with_probs: bool) -> Draft:
+             suffix: list[SuffixDraft | None], vocab_size: int, with_probs: bool) -> Draft:
     """One step's Draft of B rows padded to `width`: rows in `head_rows` take `head`'s rows (in that
     order), the others the first lengths[b] tokens of suffix[b]. with_probs: build probs [B, K, V]
-    (some row samples): the head's q, one-hot for suffix tokens."""
+    (some row samples): the head's q; for suffix tokens the votes they were drawn from (a sampled
+    draft) or one-hot (the most voted token)."""
     batch = len(lengths)
     tokens = torch.zeros(batch, width, dtype=torch.long)
     logprobs = torch.zeros(batch, width)
@@ -59,7 +63,13 @@ def assemble(width: int, lengths: list[int], head_rows: list[int], head: Draft |
             if probs is not None and head.probs is not None:
                 probs[b, :n] = head.probs[i, :n]
         else:
-            tokens[b, :n] = torch.tensor(suffix[b][:n])
+            tokens[b, :n] = torch.tensor(suffix[b].tokens[:n])
+            if suffix[b].sampled:
+                logprobs[b, :n] = torch.tensor(suffix[b].confidences[:n]).log()
+                if probs is not None:
+                    for j, (ids, shares) in enumerate(suffix[b].votes[:n]):
+                        probs[b, j, ids] = torch.tensor(shares)
+                continue
         if probs is not None and (b not in from_head or head.probs is None):  # deterministic drafts
             probs[b, torch.arange(n), tokens[b, :n]] = 1.0
     return Draft(tokens, probs, logprobs, torch.tensor(lengths, dtype=torch.long))

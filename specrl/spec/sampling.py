@@ -169,6 +169,15 @@ class RowSampler:
         seeded = [s is not None for s in self.streams] if self.streams is not None else [False] * len(self.generators)
         return torch.tensor(seeded, dtype=torch.bool) & ~self.greedy
 
+    def draft_uniforms(self, row: int, n: int) -> list[float] | None:
+        """n uniforms from row's generator to draw a sampled suffix draft (suffix_index.py), or None
+        for a row whose suffix drafts stay the most voted tokens: greedy rows (only the argmax is
+        accepted), and seeded rows, whose coupled rule accepts a draft iff it equals the seed's
+        token (verify.py), so a draft of its own randomness would gain nothing."""
+        if bool(self.greedy[row]) or (self.streams is not None and self.streams[row] is not None):
+            return None
+        return torch.rand(n, generator=self.generators[row]).tolist()
+
     def uniforms(self, n: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """-> [B, n] float32 in [0, 1). positions [B] int64: the position of column 0 of each
         row; a row with a stream reads its uniforms at positions[b] .. positions[b]+n-1, any

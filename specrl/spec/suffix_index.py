@@ -55,6 +55,15 @@ disagree drop out. Drafting stops before the running product of confidences fall
 names the longest match length among the voting occurrences and whether the request's own text
 is among them: how often its tokens are accepted depends on both (`suffix_acceptance.py`).
 
+Sampled drafts. For a request that samples, a most-voted draft d* is a one-hot q: verification
+accepts it with probability p(d*) (about 0.18 a token on temperature-1 rollouts). Given uniforms,
+each step instead draws its token from the vote distribution v (inverse CDF over the counts in
+first-seen order), and the occurrences that voted for it run on: the draft follows one
+occurrence's continuation, chosen with probability proportional to its votes. Rejection sampling
+with q = v is still exact (verify.py) and accepts with probability sum_x min(p(x), v(x)): when
+the voters are samples of the same policy (a GRPO group's peers), v approximates p. The proposal
+returns every step's v (`SuffixDraft.votes`) for the verifier's q and its residual.
+
 Costs (n = context length, K = draft length, O = max_occurrences, M = max_match,
 R = len(orders)), measured with the C core at 10k documents of 300 tokens on one EPYC core:
   add(key, tokens)      O(len(tokens) * R), plus O(1) per evicted document: 14 us for 300 tokens.
@@ -127,12 +136,19 @@ class SuffixDraft:
     occurrences still agreeing), match_length (context tokens the voting occurrences matched; 0: no
     occurrence), own (the request's own context is among the voters). How often a token is accepted
     rises with the match length and is higher for the own context's matches (controller's
-    `SuffixAcceptance`)."""
+    `SuffixAcceptance`). votes: None for a deterministic draft (the most voted token each step);
+    for a sampled one ("Sampled drafts" in the module docstring) [K] pairs (ids, shares), the vote
+    distribution each token was drawn from (its confidence is its own share)."""
 
     tokens: list[int] = field(default_factory=list)
     confidences: list[float] = field(default_factory=list)
     match_length: int = 0
     own: bool = False
+    votes: list[tuple[list[int], list[float]]] | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return self.votes is not None
 
 
 class RequestContext(Protocol):
@@ -304,13 +320,17 @@ class _TwinIndex:
         return found
 
     def propose(self, ctx: _TwinContext, max_tokens: int, min_confidence: float,
-                peers: Sequence[_TwinContext] = ()) -> tuple[list[int], list[float], int, bool]:
+                peers: Sequence[_TwinContext] = (), uniforms: Sequence[float] | None = None
+                ) -> tuple[list[int], list[float], int, bool, list | None]:
         if ctx.owner is not self:
             raise ValueError("the context was made by another index (use that index's new_request())")
         if any(not isinstance(peer, _TwinContext) or peer.owner is not self for peer in peers):
             raise ValueError("peers must be contexts made by this index's new_request()")
+        if uniforms is not None and len(uniforms) < max_tokens:
+            raise ValueError("uniforms must hold at least max_tokens floats")
         own, glob, match = self._match(ctx, [peer for peer in peers if peer is not ctx])
-        return (*self._draft(ctx, own, glob, max_tokens, min_confidence), match, bool(own))
+        tokens, confidences, votes = self._draft(ctx, own, glob, max_tokens, min_confidence, uniforms)
+        return tokens, confidences, match, bool(own), votes
 
     def _own_occurrences(self, ctx: _TwinContext, peers: list[_TwinContext], r: int) -> list[tuple[int, tuple]]:
         """The own source's order-r occurrences: the request's text, then each peer's, at most
@@ -335,10 +355,12 @@ class _TwinIndex:
         return own, glob, glob_len if glob else own_len if own else 0
 
     def _draft(self, ctx: _TwinContext, own: list[tuple], glob: list[int], max_tokens: int,
-               min_confidence: float) -> tuple[list[int], list[float]]:
+               min_confidence: float, uniforms: Sequence[float] | None
+               ) -> tuple[list[int], list[float], list | None]:
         n, cap, ring = len(ctx), self.capacity, self.ring
         tokens: list[int] = []
         confidences: list[float] = []
+        votes: list | None = None if uniforms is None else []
         product = 1.0
 
         def own_next_token(src: _TwinContext, q: int) -> int:  # the request's text runs on into the draft; a peer's ends
@@ -355,16 +377,33 @@ class _TwinIndex:
                     counts[t] = counts.get(t, 0) + 1
             if not counts:
                 break
-            best = max(counts, key=counts.__getitem__)  # the first of the most voted
-            confidence = counts[best] / sum(counts.values())
+            total = sum(counts.values())
+            if uniforms is None:
+                best = max(counts, key=counts.__getitem__)  # the first of the most voted
+            else:
+                best = _draw(counts, uniforms[len(tokens)] * total)
+            confidence = counts[best] / total
             product *= confidence
             if product < min_confidence:
                 break
             tokens.append(best)
             confidences.append(confidence)
+            if votes is not None:
+                votes.append((list(counts), [c / total for c in counts.values()]))
             own = [(src, q + 1) for (src, q), t in zip(own, own_next) if t == best]
             glob = [q + 1 for q, t in zip(glob, glob_next) if t == best]
-        return tokens, confidences
+        return tokens, confidences, votes
+
+
+def _draw(counts: dict[int, int], bar: float) -> int:
+    """The first token, in first-seen order, whose running vote count passes bar (u * total): token
+    x with probability counts[x] / total for u uniform in [0, 1); the last one if none passes."""
+    seen = 0
+    for token, count in counts.items():
+        seen += count
+        if seen > bar:
+            return token
+    return token
 
 
 def _longest(occurrences, n_orders: int) -> tuple[int, list[int]]:
@@ -444,13 +483,17 @@ class SuffixIndex:
         return ctx
 
     def propose(self, ctx: RequestContext, max_tokens: int, min_confidence: float = 0.1,
-                peers: Sequence[RequestContext] = ()) -> "SuffixDraft":
+                peers: Sequence[RequestContext] = (), uniforms: Sequence[float] | None = None) -> "SuffixDraft":
         """Draft up to max_tokens after ctx's tokens: K <= max_tokens tokens, the running product of
         their confidences >= min_confidence. peers: contexts of requests running beside this one
         with the same prompt (the n samples of one request, a GRPO group); their text so far
-        counts as the request's own ("Peers" in the module docstring)."""
+        counts as the request's own ("Peers" in the module docstring). uniforms: at least
+        max_tokens floats in [0, 1) to draw a sampled draft ("Sampled drafts"); None: the most
+        voted tokens."""
+        if uniforms is not None and not all(0.0 <= u < 1.0 for u in uniforms[:max_tokens]):
+            raise ValueError("uniforms must be in [0, 1)")
         with self._lock:
-            return SuffixDraft(*self._core.propose(ctx, max_tokens, min_confidence, tuple(peers)))
+            return SuffixDraft(*self._core.propose(ctx, max_tokens, min_confidence, tuple(peers), uniforms))
 
     @property
     def documents(self) -> int:

@@ -142,12 +142,13 @@ def test_a_sample_behind_drafts_from_its_running_peers_text(make_engine, tokeniz
     assert first.proposer == "suffix" and first.accepted >= 2  # what the peer had written
 
 
-@pytest.mark.parametrize("seeded", [False, True])  # rejection sampling with q one-hot; the coupled rule
+@pytest.mark.parametrize("seeded", [False, True])  # rejection sampling with q = the votes; the coupled rule
 def test_sampled_tokens_follow_the_target_distribution_with_suffix_drafts(make_engine, tokenizer, seeded):
-    """Suffix drafts are deterministic (q one-hot at the drafted token): the verified tokens still
-    follow the target, under both acceptance rules (specrl/spec/verify.py). The same prompt sampled
-    many times (a GRPO group) is where the index drafts the most frequent earlier continuation.
-    The first two tokens against their exact law, chi-square, reject at p < 1e-3."""
+    """Suffix drafts of sampled rows are drawn from the votes (q = the vote distribution), of seeded
+    rows the most voted token (q one-hot): the verified tokens still follow the target, under both
+    acceptance rules (specrl/spec/verify.py). The same prompt sampled many times (a GRPO group) is
+    where the index's occurrences disagree. The first two tokens against their exact law,
+    chi-square, reject at p < 1e-3."""
     [prompt] = chat_prompts(tokenizer, 1)
     n = 1500
     params = [SamplingParams(max_tokens=3, temperature=0.5, top_p=0.05, seed=i if seeded else None, ignore_eos=True)
@@ -156,6 +157,9 @@ def test_sampled_tokens_follow_the_target_distribution_with_suffix_drafts(make_e
     spec = engine.generate([prompt] * n, params)
     suffix = engine.stats.by_proposer["suffix"]
     assert 0 < suffix.num_accepted_tokens < suffix.num_draft_tokens, "both accept and reject paths must be exercised"
+    drafted = [s for r in engine.sink.records for s in r.steps if s.proposer == "suffix" and s.k]
+    split = [s for s in drafted if any(lp < 0 for lp in s.draft_logprobs)]  # drawn from votes that disagreed
+    assert (not split) if seeded else len(split) > len(drafted) // 4
     assert_prefixes_follow(spec, prefix_law(engine, prompt, params[0], 2))
 
 

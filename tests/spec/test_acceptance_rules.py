@@ -1,15 +1,16 @@
-"""The acceptance rules of a verify step (specrl/spec/verify.py) with deterministic drafts (the
-suffix index's: q one-hot): every emitted token follows the target, under rejection sampling and
-under the coupled rule of seeded rows, also when the target's distributions are processed
-(penalties counting the drafts before each position, top_k, min_p). Chi-square goodness of fit
-against p, reject at p < 1e-3."""
+"""The acceptance rules of a verify step (specrl/spec/verify.py) with the suffix index's drafts
+(q one-hot at the most voted token, or a draw from the vote distribution): every emitted token
+follows the target, under rejection sampling and under the coupled rule of seeded rows, also when
+the target's distributions are processed (penalties counting the drafts before each position,
+top_k, min_p). Chi-square goodness of fit against p, reject at p < 1e-3."""
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from specrl.spec.propose import Draft
+from specrl.spec.propose import Draft, assemble
 from specrl.spec.sampling import RowSampler, SamplingParams
+from specrl.spec.suffix_index import SuffixDraft, _draw
 from specrl.spec.verify import accept
 
 N, V = 20_000, 6
@@ -44,6 +45,31 @@ def test_one_hot_drafts_emit_the_target_distribution(coupled, draft_token):
     assert chisquare(first, expected(P[0], N)).pvalue > 1e-3
     assert abs(accepted.float().mean() - P[0, draft_token]) < 0.015  # accepted with probability p(d)
     bonus = emitted[accepted == 1, 1]  # after an accepted draft, the bonus token follows p_2
+    assert chisquare(torch.bincount(bonus, minlength=V).double(), expected(P[1], len(bonus))).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("votes", [{0: 3, 1: 3, 2: 2}, {5: 1, 4: 1}, {3: 2, 0: 1, 2: 1}])
+def test_drafts_drawn_from_the_votes_emit_the_target_distribution(votes):
+    """A sampled suffix draft: d_1 drawn from the vote distribution v (as SuffixIndex.propose draws
+    it), assembled into q = v, verified by rejection sampling: the first token follows p_1, d_1 is
+    accepted with probability sum_x min(p_1(x), v(x)), the bonus follows p_2."""
+    gen = torch.Generator().manual_seed(11)
+    ids, total = list(votes), sum(votes.values())
+    shares = [c / total for c in votes.values()]
+    draws = torch.rand(N, generator=gen).tolist()
+    drafts = [SuffixDraft([tok := _draw(votes, u * total)], [votes[tok] / total], 4, True, [(ids, shares)])
+              for u in draws]
+    draft = assemble(1, [1] * N, [], None, drafts, V, with_probs=True)
+    v = torch.zeros(V)
+    v[ids] = torch.tensor(shares)
+    assert torch.equal(draft.probs[:, 0], v.expand(N, V)) and bool((draft.logprobs[:, 0] <= 0).all())
+    assert abs(torch.bincount(draft.tokens[:, 0], minlength=V).double() / N - v.double()).max() < 0.015
+    sampler = RowSampler(torch.full((N,), 1.0), torch.ones(N), torch.zeros(N, dtype=torch.bool),
+                         [torch.Generator() for _ in range(N)])
+    accepted, emitted = accept(draft, P.expand(N, 2, V).contiguous(), torch.rand(N, 2, generator=gen), sampler)
+    assert chisquare(torch.bincount(emitted[:, 0], minlength=V).double(), expected(P[0], N)).pvalue > 1e-3
+    assert abs(accepted.float().mean() - torch.minimum(P[0], v).sum()) < 0.015
+    bonus = emitted[accepted == 1, 1]
     assert chisquare(torch.bincount(bonus, minlength=V).double(), expected(P[1], len(bonus))).pvalue > 1e-3
 
 

@@ -89,6 +89,28 @@ def test_chain_walk_gives_up_after_four_steps_per_occurrence(native, dead_ends, 
     assert proposal(ix, ix.new_request([1, 2, 3]), 1, 0.1) == (([9], [1.0]) if found else ([], []))
 
 
+def test_a_sampled_draft_follows_one_occurrence_drawn_by_its_votes(native):
+    ix = index(native)
+    for key, cont in enumerate([[7, 8, 9], [5, 6, 1], [7, 8, 9], [4, 4, 4]]):
+        ix.add(key, [1, 2, 3] + cont)
+    ctx = ix.new_request([0, 1, 2, 3])
+    assert ix.propose(ctx, 3, 0.0).votes is None  # no uniforms: the most voted tokens
+    rng, seen = random.Random(5), {}
+    for _ in range(4000):
+        draft = ix.propose(ctx, 3, 0.0, uniforms=[rng.random() for _ in range(3)])
+        seen[tuple(draft.tokens)] = seen.get(tuple(draft.tokens), 0) + 1
+    # the first token from the votes 4: 1, 7: 2, 5: 1 (most recent occurrence first), then its occurrences' text
+    assert sorted(seen) == [(4, 4, 4), (5, 6, 1), (7, 8, 9)]
+    assert seen[(7, 8, 9)] / 4000 == pytest.approx(0.5, abs=0.03) and seen[(5, 6, 1)] / 4000 == pytest.approx(0.25, abs=0.03)
+    draft = ix.propose(ctx, 3, 0.0, uniforms=[0.3, 0.0, 0.0])  # 0.3 * 4 votes: past 4's 1, within 7's 2
+    assert draft.tokens == [7, 8, 9] and draft.confidences == [0.5, 1.0, 1.0] and draft.sampled
+    assert draft.votes == [([4, 7, 5], [0.25, 0.5, 0.25]), ([8], [1.0]), ([9], [1.0])]
+    assert ix.propose(ctx, 3, 0.3, uniforms=[0.0, 0.0, 0.0]).tokens == []  # a 1/4 share is below the threshold
+    for bad in ([0.5], [0.5, 1.0, 0.2], [-0.1, 0.0, 0.0]):  # too few; outside [0, 1)
+        with pytest.raises(ValueError):
+            ix.propose(ctx, 3, 0.0, uniforms=bad)
+
+
 def test_stops_when_confidence_product_falls_below_threshold(native):
     ix = index(native)
     ix.add(0, [1, 2, 3, 4, 5])
@@ -301,8 +323,9 @@ def test_extension_equals_twin(seed, vocab, repeat, capacity, max_occ):
             ctx_py.extend(more)
             k, threshold = rng.choice([1, 4, 16]), rng.choice([0.0, 0.1, 0.5])
             n_peers = rng.choice([0, 0, 1, 3])  # the last contexts made (itself among them: ignored)
-            got = c.propose(ctx_c, k, threshold, peers_c[-n_peers:] if n_peers else [])
-            assert got == py.propose(ctx_py, k, threshold, peers_py[-n_peers:] if n_peers else [])
+            uniforms = [rng.random() for _ in range(k)] if rng.random() < 0.5 else None  # a sampled draft
+            got = c.propose(ctx_c, k, threshold, peers_c[-n_peers:] if n_peers else [], uniforms)
+            assert got == py.propose(ctx_py, k, threshold, peers_py[-n_peers:] if n_peers else [], uniforms)
             compared += 1
             drafted += len(got.tokens)
     assert ctx_c.tolist() == ctx_py.tolist()

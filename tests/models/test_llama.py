@@ -198,6 +198,26 @@ def test_fused_attention_of_a_token_does_not_depend_on_the_step_length(head_dim)
     assert torch.equal(together, torch.cat(steps))
 
 
+@pytest.mark.parametrize("shape", [(3, 49152), (2, 4, 1000), (5, 31), (1, 1), (0, 64)])  # tails past the 32-wide loop
+def test_argmax_equals_torchs_first_index_on_ties(shape):
+    from specrl.models.linear import cpu_kernels
+    from specrl.models.llama import argmax
+
+    if cpu_kernels is None:
+        pytest.skip("the C kernels are not built")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen)
+    ties = torch.round(x * 2) / 2  # many equal maxima: the first index wins
+    late = x.clone()
+    late[..., -1] = late.abs().sum() + 1  # the max in the scalar tail
+    for logits in (x, ties, late):
+        assert torch.equal(argmax(logits), logits.argmax(-1))
+        rows = logits.numel() // shape[-1]
+        portable = torch.empty(rows, dtype=torch.long)
+        cpu_kernels.argmax_rows(portable.data_ptr(), logits.data_ptr(), rows, shape[-1], True)
+        assert torch.equal(portable, logits.reshape(rows, shape[-1]).argmax(-1))
+
+
 @pytest.mark.parametrize("shape", [(1, 3072), (5, 3072), (2, 3, 70), (0, 64)])  # 70: a tail past the 8-lane loop
 def test_fused_silu_mul_equals_the_torch_ops_and_keeps_autograd(shape):
     import torch.nn.functional as F

@@ -60,9 +60,12 @@ accepts it with probability p(d*) (about 0.18 a token on temperature-1 rollouts)
 each step instead draws its token from the vote distribution v (inverse CDF over the counts in
 first-seen order), and the occurrences that voted for it run on: the draft follows one
 occurrence's continuation, chosen with probability proportional to its votes. Rejection sampling
-with q = v is still exact (verify.py) and accepts with probability sum_x min(p(x), v(x)): when
-the voters are samples of the same policy (a GRPO group's peers), v approximates p. The proposal
-returns every step's v (`SuffixDraft.votes`) for the verifier's q and its residual.
+with q = v is still exact (verify.py) and accepts with probability sum_x min(p(x), v(x)), which
+gains where many voters sample the same policy (v then approximates p). Measured offline on format
+tasks at temperature 1 (SmolLM2, held-out GRPO groups of 4, the index holding 96 other rollouts):
+first tokens accepted 0.268 drawn against 0.253 most-voted; the matches are few (sum v^2 0.79)
+while p is spread. The proposal returns every step's v (`SuffixDraft.votes`) for the verifier's q
+and its residual.
 
 Costs (n = context length, K = draft length, O = max_occurrences, M = max_match,
 R = len(orders)), measured with the C core at 10k documents of 300 tokens on one EPYC core:

@@ -1,6 +1,6 @@
 """The entry points the engine and the trainer call: check the inputs, then run the fastest
 implementation measured for the device: verification runs the Triton kernel when the tensors are
-on a CUDA device and triton imports (7-11x the twin on an H200), else the torch twin; the drafter
+on a CUDA device and triton imports (4.6-11x the twin's speed on an H200), else the torch twin; the drafter
 loss runs its chunked torch twin everywhere (on an H200 it beat the Triton loss kernels at every
 shape measured: drafter_loss_triton.py)."""
 

@@ -815,16 +815,23 @@ static void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t I, 
     else silu_mul_portable(gate_up, out, rows, I, 0);
 }
 
-static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
-    unsigned long long gate_up, out;
-    long long rows, I;
-    int portable = 0;
-    if (!PyArg_ParseTuple(args, "KKLL|p", &out, &gate_up, &rows, &I, &portable)) return NULL;
-    if (rows < 0 || I < 1) {
-        PyErr_SetString(PyExc_ValueError, "silu_mul: rows >= 0 and I >= 1");
-        return NULL;
+/* The arguments of a row-wise op: (out, x, rows, cols, portable=False), rows >= 0 and cols >= 1. */
+typedef struct { unsigned long long out, x; long long rows, cols; int portable; } row_op_args;
+
+static int parse_row_op(PyObject *args, const char *name, row_op_args *a) {
+    a->portable = 0;
+    if (!PyArg_ParseTuple(args, "KKLL|p", &a->out, &a->x, &a->rows, &a->cols, &a->portable)) return 0;
+    if (a->rows < 0 || a->cols < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: rows >= 0 and a row of at least 1 value", name);
+        return 0;
     }
-    silu_mul((const float *)(uintptr_t)gate_up, (float *)(uintptr_t)out, rows, I, portable);
+    return 1;
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
+    row_op_args a;   /* cols: I, half of gate_up's row */
+    if (!parse_row_op(args, "silu_mul", &a)) return NULL;
+    silu_mul((const float *)(uintptr_t)a.x, (float *)(uintptr_t)a.out, a.rows, a.cols, a.portable);
     Py_RETURN_NONE;
 }
 
@@ -867,18 +874,12 @@ __attribute__((target("avx2"))) static int64_t argmax_avx2(const float *x, int64
 }
 
 static PyObject *py_argmax_rows(PyObject *self, PyObject *args) {
-    unsigned long long x, out;
-    long long rows, V;
-    int portable = 0;
-    if (!PyArg_ParseTuple(args, "KKLL|p", &out, &x, &rows, &V, &portable)) return NULL;
-    if (rows < 0 || V < 1) {
-        PyErr_SetString(PyExc_ValueError, "argmax_rows: rows >= 0 and V >= 1");
-        return NULL;
-    }
-    const float *xs = (const float *)(uintptr_t)x;
-    int64_t *o = (int64_t *)(uintptr_t)out;
-    for (int64_t r = 0; r < rows; r++)
-        o[r] = has_avx2 && !portable ? argmax_avx2(xs + r * V, V) : argmax_portable(xs + r * V, V);
+    row_op_args a;   /* cols: V */
+    if (!parse_row_op(args, "argmax_rows", &a)) return NULL;
+    const float *xs = (const float *)(uintptr_t)a.x;
+    int64_t *o = (int64_t *)(uintptr_t)a.out;
+    for (int64_t r = 0; r < a.rows; r++)
+        o[r] = has_avx2 && !a.portable ? argmax_avx2(xs + r * a.cols, a.cols) : argmax_portable(xs + r * a.cols, a.cols);
     Py_RETURN_NONE;
 }
 

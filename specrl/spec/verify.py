@@ -95,9 +95,8 @@ def accept(draft: Draft, probs: torch.Tensor, uniforms: torch.Tensor, sampler: R
     """probs [B, K+1, V] float32 (the target's, processed: `RowSampler.probs`; when every row is
     greedy, the adjusted logits of `_target_scores`), uniforms [B, K+1] -> accepted [B] int64,
     emitted [B, K+1] int64 (as `rejection_sample`), each row by its rule."""
-    rows = torch.arange(len(probs))
     if sampler.all_greedy:  # rejection sampling's greedy rule, with the C argmax (~6x torch's over 49k)
-        return _matching(draft, argmax(probs), rows)
+        return _matching(draft, argmax(probs), torch.arange(len(probs)))
     # The engine made these distributions with softmax from finite weights (checked at load and
     # swap): the per-step value scan (sum to 1, no NaN) would cost about as much as the sampling.
     accepted, emitted = rejection_sample(draft.tokens, draft.probs, probs, uniforms, sampler.greedy, draft.lengths,

@@ -4,6 +4,7 @@ on a loopback port, wait until it answers /health, stop it with SIGTERM."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,9 +17,27 @@ from specrl.errors import SpecrlError
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range. Why not bind(0): that hands out
+    an ephemeral port, which any outgoing connection (a Redis client, an HTTP request) may take as its
+    own local port while a server loads for half a minute before it binds: a vLLM server in CI died
+    with "address already in use" that way."""
+    below = range(max(1024, _ephemeral_low() - 12000), _ephemeral_low())
+    for port in random.sample(below, min(200, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise SpecrlError("no free loopback port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def shared_threads(threads: int, processes: int) -> int:

@@ -10,3 +10,16 @@ def test_busy_processes_split_the_cores_unless_threads_are_set():
     assert shared_threads(0, 2) == max(1, cores // 2)
     assert shared_threads(0, 3 * cores) == 1  # never 0
     assert shared_threads(3, 2) == 3  # --threads sets each process's own
+
+
+def test_free_ports_are_bindable_and_below_the_ephemeral_range():
+    """Outgoing connections take ephemeral ports: a server's port must not be one of them."""
+    import socket
+
+    from specrl.apps.launch import _ephemeral_low, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < _ephemeral_low() for p in ports) and len(ports) > 1
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

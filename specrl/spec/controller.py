@@ -32,12 +32,16 @@ every `probe_every` steps without it a probe drafts one token with it (the head 
 without a draft, the suffix index for the rows it has a draft for); each probe that still does
 not pay doubles that proposer's interval (up to `max_probe_every`). A drafter swap resets the
 head's estimates. Last, the plan answers to measurement (`DraftGuard`), per proposer: where the
-steps in which the head drafted (or, apart, the steps in which only the suffix index drafted)
-yielded fewer tokens per second than the steps that did not draft, at that batch size, that
-proposer pauses there, with trials that back off as probes do, and the plan is made without it.
-Why per proposer: one guard over all drafting steps let the head's losing steps hide behind the
-index's winning ones (`bench adapt`, 10 min, AVX2 EPYC: head + index 1.40x plain at B=1, the
-index alone 1.48x, the head alone 1.00x).
+steps in which only the suffix index drafted yielded fewer tokens per second than plain steps, at
+that batch size, the index pauses there; where the steps in which the head drafted yielded fewer
+than plain steps or than the same plans made without the head (reference steps: now and then a
+plan that gives the head rows is made again without it), the head pauses there. A pause backs
+off as probes do, and the plan is made without that proposer. Why per proposer: one guard over
+all drafting steps let the head's losing steps hide behind the index's winning ones (`bench
+adapt`, 10 min, AVX2 EPYC: head + index 1.40x plain at B=1, the index alone 1.48x, the head alone
+1.00x). Why the head's own reference: its steps carry the index's rows too, so they beat plain
+steps while the head loses (`bench adapt`, B=4: head + index 1.10-1.14x plain against the index
+alone 1.19-1.22x, the head alone 1.00x).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from specrl.spec.suffix_acceptance import SuffixAcceptance
 from specrl.spec.suffix_index import SuffixDraft
 
 HEAD, SUFFIX, NONE = "head", "suffix", ""
+# The guard's reference for the head: a step planned with the head, made again without it.
+WITHOUT_HEAD = "without-head"
 PATIENCE = 4  # suffix tokens past the best rate tried before the planner stops adding them
 PRIOR_MEMO = 65536  # memoised cost points kept (B, positions, head passes, head rows) before the memo starts over
 
@@ -216,18 +222,22 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
 @dataclass
 class DraftGuard:
     """Per batch size and proposer, what drafting really yields: tokens per second of the steps of
-    each kind (`StepPlan.kind`: the head drafted, only the suffix index drafted, nobody drafted),
-    each the total tokens over the total seconds of its last `window` real steps (probes count in
-    none). A ratio of sums, not a moving average of per-step rates: a drafting step yields 1 to 17
-    tokens, and the average of per-step rates that this replaced let four unlucky first drafts
-    pause a suffix index that paid 1.2x over the same prompts.
+    each kind (`StepPlan.guard_kind`: the head drafted, only the suffix index drafted, nobody
+    drafted, a plan made again without the head), each the total tokens over the total seconds of
+    its last `window` real steps (probes count in none). A ratio of sums, not a moving average of
+    per-step rates: a drafting step yields 1 to 17 tokens, and the average of per-step rates that
+    this replaced let four unlucky first drafts pause a suffix index that paid 1.2x over the same
+    prompts.
 
     The planner's rate is a model (a calibrated curve, live acceptance); this is the measurement
     that keeps it honest. After `min_steps` drafting steps of B rows, plain steps of B rows are
     needed to compare with: a plan that would draft is run plain until `min_steps` of them are
     measured, and again (one step) whenever that measurement is `refresh_every` steps old (what a
-    plain step costs drifts with context length and load). When one proposer's steps yield fewer
-    tokens/s than plain ones, that proposer pauses at B for `pause` steps, then gets a fresh trial
+    plain step costs drifts with context length and load). The head has a second reference, by the
+    same rule: plans that give the head rows, made again without it (`head_reference_due`), which
+    measures what the head's rows would have yielded otherwise, the index's drafts included. When
+    the index's steps yield fewer tokens/s than plain ones, or the head's fewer than plain ones or
+    than its reference, that proposer pauses at B for `pause` steps, then gets a fresh trial
     of `min_steps` steps; each trial that still loses doubles its pause (up to `max_pause`), one
     that wins resets it. The cost of being wrong is bounded: min_steps losing steps a pause."""
 
@@ -237,7 +247,7 @@ class DraftGuard:
     min_pause: int = 32
     max_pause: int = 1024
     _recent: dict[tuple[int, str], deque] = field(default_factory=dict)  # (B, kind) -> (tokens, seconds) of steps
-    _last_plain: dict[int, int] = field(default_factory=dict)
+    _last_reference: dict[tuple[int, str], int] = field(default_factory=dict)  # (B, NONE or WITHOUT_HEAD) -> step
     _paused_until: dict[tuple[int, str], int] = field(default_factory=dict)
     _pause: dict[tuple[int, str], int] = field(default_factory=dict)
     _steps: int = 0
@@ -247,15 +257,24 @@ class DraftGuard:
         plain reference step is due)."""
         return self._steps >= self._paused_until.get((batch, proposer), 0) and not self._plain_due(batch)
 
+    def head_reference_due(self, batch: int) -> bool:
+        """The head has min_steps steps at this batch size and the steps planned without it where
+        it would have drafted are missing or old: the next such plan is made without the head."""
+        return self._reference_due(batch, WITHOUT_HEAD, (HEAD,))
+
     def _plain_due(self, batch: int) -> bool:
         """A proposer has min_steps steps at this batch size and the plain reference is missing or
         old: the next steps run plain, whoever would draft (both proposers compare with it)."""
-        stale = self.rate(batch, NONE) is None or self._steps - self._last_plain.get(batch, 0) >= self.refresh_every
-        return stale and any(len(self._recent.get((batch, kind), ())) >= self.min_steps for kind in (HEAD, SUFFIX))
+        return self._reference_due(batch, NONE, (HEAD, SUFFIX))
+
+    def _reference_due(self, batch: int, reference: str, judged: tuple[str, ...]) -> bool:
+        stale = (self.rate(batch, reference) is None
+                 or self._steps - self._last_reference.get((batch, reference), 0) >= self.refresh_every)
+        return stale and any(len(self._recent.get((batch, kind), ())) >= self.min_steps for kind in judged)
 
     def rate(self, batch: int, kind: str) -> float | None:
-        """Measured tokens/s of steps of `batch` rows of this kind (HEAD, SUFFIX, NONE: plain);
-        None before min_steps."""
+        """Measured tokens/s of steps of `batch` rows of this kind (HEAD, SUFFIX, NONE: plain,
+        WITHOUT_HEAD); None before min_steps."""
         recent = self._recent.get((batch, kind), ())
         if len(recent) < self.min_steps:
             return None
@@ -266,14 +285,15 @@ class DraftGuard:
         if seconds <= 0:
             return
         self._recent.setdefault((batch, kind), deque(maxlen=self.window)).append((tokens, seconds))
-        if kind == NONE:
-            self._last_plain[batch] = self._steps
+        if kind in (NONE, WITHOUT_HEAD):
+            self._last_reference[(batch, kind)] = self._steps
             return
-        plain, draft = self.rate(batch, NONE), self.rate(batch, kind)
-        if plain is None or draft is None:
+        references = [self.rate(batch, NONE)] + ([self.rate(batch, WITHOUT_HEAD)] if kind == HEAD else [])
+        draft = self.rate(batch, kind)
+        if references[0] is None or draft is None:
             return
         key = (batch, kind)
-        if draft < plain:  # pause, and judge the next trial on fresh steps alone
+        if draft < max(r for r in references if r is not None):  # pause; judge the next trial on fresh steps alone
             pause = self._pause.get(key, self.min_pause)
             self._paused_until[key] = self._steps + pause
             self._pause[key] = min(2 * pause, self.max_pause)
@@ -299,6 +319,7 @@ class StepPlan:
     proposers: list[str]  # per row: HEAD, SUFFIX or NONE
     probe: bool = False  # the head drafts to learn whether it pays (not because it does)
     suffix_probe: bool = False  # the same for the suffix index
+    head_reference: bool = False  # planned without the head where the plan gave it rows (`DraftGuard`)
 
     @classmethod
     def plain(cls, batch: int) -> "StepPlan":
@@ -314,8 +335,13 @@ class StepPlan:
 
     @property
     def kind(self) -> str:
-        """What the guard and the cost scales file the step under (`step_kind`)."""
+        """What the cost scales file the step under (`step_kind`)."""
         return step_kind(len(self.lengths), self.rows, self.head_k, len(self.rows_of(HEAD)))
+
+    @property
+    def guard_kind(self) -> str:
+        """What the guard files the step under: its kind, or the head's reference."""
+        return WITHOUT_HEAD if self.head_reference else self.kind
 
 
 class SpeculationController:
@@ -372,15 +398,26 @@ class SpeculationController:
         # every row's suffix tokens by marginal gain, best first (ties: row, then position), once a step
         marginal = sorted(((gains[i + 1] - gains[i], b) for b, gains in enumerate(usable) for i in range(len(gains) - 1)),
                           key=lambda x: -x[0])
-        best, best_rate = StepPlan.plain(batch), batch / self.costs.verify_cost(batch, batch) * self.margin
-        for head_k in range(head_ks):
-            plan, rate = self._best_with_head(usable, marginal, head_k)
-            if rate > best_rate:
-                best, best_rate = plan, rate
+        best = self._best(usable, marginal, head_ks)
+        if best.head_k and self.guard.head_reference_due(batch):  # the same step without the head, measured
+            reference = self._best(usable, marginal, 1)
+            reference.head_reference = True
+            return reference
         if best.head_k == 0 and head_cap > 0 and self._steps_since_draft + 1 >= self.probe_every:
             best = self._probe(best, rows)
         if SUFFIX not in best.proposers and self._steps_since_suffix + 1 >= self.suffix_probe_every:
             best = self._probe_suffix(best, suffix_gain)
+        return best
+
+    def _best(self, suffix_gain: list[list[float]], marginal: list[tuple[float, int]], head_ks: int) -> StepPlan:
+        """The plan of most expected tokens/s with the head drafting fewer than head_ks tokens
+        (1: not at all); plain unless drafting beats it by `margin`."""
+        batch = len(suffix_gain)
+        best, best_rate = StepPlan.plain(batch), batch / self.costs.verify_cost(batch, batch) * self.margin
+        for head_k in range(head_ks):
+            plan, rate = self._best_with_head(suffix_gain, marginal, head_k)
+            if rate > best_rate:
+                best, best_rate = plan, rate
         return best
 
     def _best_with_head(self, suffix_gain: list[list[float]], marginal: list[tuple[float, int]],
@@ -466,7 +503,7 @@ class SpeculationController:
         batch = len(plan.lengths)
         if not (plan.probe or plan.suffix_probe):  # a probe drafts to learn, not at the cost it chose
             self.costs.observe_rows(batch, plan.rows, seconds, plan.head_k, len(plan.rows_of(HEAD)))
-            self.guard.observe(batch, plan.kind, batch + sum(accepted), seconds)
+            self.guard.observe(batch, plan.guard_kind, batch + sum(accepted), seconds)
         suffix_rows = plan.rows_of(SUFFIX)
         for b in suffix_rows:
             self.suffix_acceptance.observe(suffix[b], plan.lengths[b], accepted[b])

@@ -3,10 +3,11 @@ over T positions at B=1 costs 1.0 for T=1 and 1.6-2.0 for T=2..5; one drafter pa
 
 from __future__ import annotations
 
+import itertools
 import pytest
 import torch
 
-from specrl.spec.controller import (HEAD, NONE, SUFFIX, CostModel, RowOffer, SpeculationController, StepPlan,
+from specrl.spec.controller import (HEAD, NONE, SUFFIX, WITHOUT_HEAD, CostModel, RowOffer, SpeculationController, StepPlan,
                                    expected_tokens)
 from specrl.spec.suffix_acceptance import SuffixAcceptance, match_bucket
 from specrl.spec.suffix_index import SuffixDraft
@@ -488,6 +489,75 @@ def test_a_proposer_measured_slower_than_plain_is_left_out_and_the_other_goes_on
     plan = ctl.plan([matched], head=True)
     assert plan.proposers == [SUFFIX] and plan.lengths == [8]
     assert ctl.plan([bare, bare], head=True).head_k > 0
+
+
+def test_the_head_pauses_where_its_steps_lose_to_the_same_plans_without_it():
+    """The head's steps carry the index's rows too: they beat plain steps (1.5 against 1.0
+    tokens/s) while the same plans made without the head yielded 2.0: the head pauses at B=2 and
+    the index drafts on. At B=1 a head beating both references is not paused."""
+    guard = SpeculationController(4, wide_costs()).guard
+    for kind, tokens in ((NONE, 2), (WITHOUT_HEAD, 4), (HEAD, 3)):
+        for _ in range(guard.min_steps):
+            guard.observe(2, kind, tokens, 2.0)
+    assert not guard.allows(2, HEAD) and guard.allows(2, SUFFIX)
+    for kind, tokens in ((NONE, 1), (WITHOUT_HEAD, 2), (HEAD, 5)):
+        for _ in range(guard.min_steps):
+            guard.observe(1, kind, tokens, 2.0)
+    assert guard.allows(1, HEAD) and (1, HEAD) not in guard._paused_until
+
+
+def test_now_and_then_a_plan_that_gives_the_head_rows_is_made_without_it():
+    """Once the head has drafted min_steps steps at B=2, the next plan that would give it rows is
+    made without it (the index keeps its row) and filed as the head's reference, until the
+    reference has min_steps steps; no probe rides on a reference step."""
+    ctl = trusting(4, wide_costs(), initial_accept_rate=0.8, probe_every=1)
+    offer = [RowOffer(100), RowOffer(100, suffix([1.0] * 2))]
+    first = ctl.plan(offer, head=True)
+    assert first.proposers == [HEAD, SUFFIX] and not first.probe
+    guard = ctl.guard
+    for kind in (NONE, HEAD):
+        for _ in range(guard.min_steps):
+            guard.observe(2, kind, 4, 1.0)
+    for _ in range(guard.min_steps):
+        plan = ctl.plan(offer, head=True)
+        assert plan.head_reference and plan.proposers == [NONE, SUFFIX] and plan.guard_kind == WITHOUT_HEAD
+        assert not plan.probe and plan.kind == SUFFIX  # the cost scales file it by what ran
+        ctl.observe_plan(plan, 1.0, [0, 2], [r.suffix for r in offer])
+    assert guard.rate(2, WITHOUT_HEAD) == pytest.approx(4.0)
+    plan = ctl.plan(offer, head=True)
+    assert plan.proposers == [HEAD, SUFFIX] and not plan.head_reference
+
+
+def test_a_head_that_costs_more_than_it_adds_beside_the_index_stops_drafting():
+    """The model says the head pays on the row the index has no draft for, and every draft is
+    accepted. One head step in four takes 4x its modelled time (a long catch-up; the cost scale is a median and does not see it),
+    so the head's steps still beat plain ones but lose to the same steps without the head: the
+    head stops drafting at that batch size and the index goes on."""
+    ctl = trusting(4, wide_costs(), initial_accept_rate=0.6, probe_every=10 ** 6)
+    offer = [RowOffer(100), RowOffer(100, suffix([1.0] * 2))]
+    assert ctl.plan(offer, head=True).proposers == [HEAD, SUFFIX]
+    head_steps = itertools.count()
+
+    def seconds(plan):
+        modelled = ctl.costs._prior(2, plan.rows, plan.head_k, len(plan.rows_of(HEAD)))
+        return modelled * (4.0 if plan.head_k and next(head_steps) % 4 == 3 else 1.0)
+
+    def accepted(plan):  # every draft is accepted whole
+        return list(plan.lengths)
+
+    plans, measured = [], {}
+    for _ in range(400):
+        plan = ctl.plan(offer, head=True)
+        took, emitted = seconds(plan), accepted(plan)
+        ctl.observe_plan(plan, took, emitted, [r.suffix for r in offer])
+        plans.append(plan)
+        tokens, total = measured.get(plan.guard_kind, (0, 0.0))
+        measured[plan.guard_kind] = (tokens + 2 + sum(emitted), total + took)
+    rate = {kind: tokens / total for kind, (tokens, total) in measured.items()}
+    assert rate[NONE] < rate[HEAD] < rate[WITHOUT_HEAD]
+    assert (2, HEAD) in ctl.guard._paused_until and (2, SUFFIX) not in ctl.guard._paused_until
+    assert sum(HEAD in p.proposers for p in plans[200:]) <= 2 * ctl.guard.min_steps
+    assert sum(p.proposers[1] == SUFFIX for p in plans[200:]) >= 150
 
 
 def test_a_step_is_filed_under_the_head_when_the_head_drafted_for_any_row():

@@ -375,7 +375,14 @@ class Engine:
     @torch.inference_mode()
     def calibrate(self, rounds: int = 3) -> CostModel:
         """Time target forwards (B, T) for the verify widths the proposers can ask for, and drafter
-        passes, on idle slots: the cost prior (logged, one line)."""
+        passes, on idle slots: the cost prior (logged, one line). B = 1 and max_batch only, the
+        sizes between interpolated at equal T, which overprices their drafts (a forward's cost
+        follows B * T: interpolated from 1 and 8, a B=4 verify of T = 2-5 read 1.28-2.09x a plain
+        step against 1.07-1.87x measured). Timing B = 2 and 4 as well fixed that and made B=4
+        slower (index alone, 4 requests at a time, max_batch 8, in-process A/B: 0.96x): the
+        planner drafted more (0.57 -> 0.70 tokens a row-step) for no more tokens (1.27 -> 1.28 a
+        step), so what it trades against the price (a packed verify's cost per position, the
+        index's acceptance of its marginal tokens) is off by as much."""
         widest = max(self.settings.max_draft_tokens if self.drafter is not None else 0,
                      self.settings.suffix_max_tokens if self.suffix is not None else 0)
         positions = sorted({t for t in CALIBRATED_POSITIONS if t <= widest + 1} | {widest + 1})

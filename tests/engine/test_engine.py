@@ -202,3 +202,15 @@ def test_a_reader_that_goes_away_aborts_its_request(make_engine, tokenizer):
     assert outs[-1].finished and done.finish_reason == "length"
     assert sum(len(o.new_token_ids) for o in outs) == len(done.output_ids) == 16
     assert loop._queues == {}
+
+
+def test_the_cost_prior_never_prices_a_wider_forward_below_a_narrower_one(make_engine):
+    """The start-up calibration times B = 1 and max_batch at every verify width; a forward over more
+    rows or positions is never priced below a smaller one (timing noise on a tiny model is large)."""
+    engine = make_engine(max_batch=6)
+    target = engine.controller.costs.target
+    assert sorted({b for b, _ in target}) == [1, 6]
+    widths = sorted({t for _, t in target})
+    assert widths[0] == 1 and widths[-1] == max(engine.settings.max_draft_tokens, engine.settings.suffix_max_tokens) + 1
+    for (b, t), cost in target.items():
+        assert all(cost >= target[(b2, t2)] for (b2, t2) in target if b2 <= b and t2 <= t)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specrl.spec.controller import (HEAD, NONE, SUFFIX, WITHOUT_HEAD, CostModel, RowOffer, SpeculationController, StepPlan,
-                                   expected_tokens)
+                                   _non_decreasing, expected_tokens)
 from specrl.spec.suffix_acceptance import SuffixAcceptance, match_bucket
 from specrl.spec.suffix_index import SuffixDraft
 
@@ -564,3 +564,14 @@ def test_a_step_is_filed_under_the_head_when_the_head_drafted_for_any_row():
     assert StepPlan(3, 2, [2, 3, 0], [HEAD, SUFFIX, NONE]).kind == HEAD
     assert StepPlan(3, 0, [0, 3], [NONE, SUFFIX]).kind == SUFFIX
     assert StepPlan.plain(3).kind == NONE
+
+
+# ---- the calibrated prior --------------------------------------------------------------------
+
+def test_a_prior_point_timed_below_a_smaller_forward_is_raised_to_it():
+    timed = {(1, 1): 14.1, (1, 2): 15.9, (1, 3): 15.2, (1, 5): 16.0,
+             (4, 1): 13.0, (4, 2): 18.0, (4, 3): 17.0, (4, 5): 25.0}
+    prior = _non_decreasing(timed)
+    assert prior == {(1, 1): 14.1, (1, 2): 15.9, (1, 3): 15.9, (1, 5): 16.0,
+                     (4, 1): 14.1, (4, 2): 18.0, (4, 3): 18.0, (4, 5): 25.0}
+    assert _non_decreasing(prior) == prior

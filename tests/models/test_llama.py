@@ -198,6 +198,27 @@ def test_fused_attention_of_a_token_does_not_depend_on_the_step_length(head_dim)
     assert torch.equal(together, torch.cat(steps))
 
 
+def test_fused_attention_of_packed_rows_does_not_depend_on_the_thread_count():
+    """Rows of unequal length (5, 2, 5 tokens): the kernel hands (sequence, head) tasks to threads
+    as they free up, and each task's output is bit for bit the same on 1, 2 or 3 threads (each call
+    writes the same keys and values to the cache again)."""
+    from specrl.models.linear import cpu_kernels
+
+    if cpu_kernels is None:
+        pytest.skip("the C kernels are not built")
+    cache, batch, rope, qkv, nh, _ = _attention_case(64, torch.Generator().manual_seed(8))
+    cos, sin = rope.tables(batch.positions)
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outputs.append(batch.attend_fused(1, qkv.clone(), cos, sin, nh))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+
+
 @pytest.mark.parametrize("shape", [(3, 49152), (2, 4, 1000), (5, 31), (1, 1), (0, 64)])  # tails past the 32-wide loop
 def test_argmax_equals_torchs_first_index_on_ties(shape):
     from specrl.models.linear import cpu_kernels

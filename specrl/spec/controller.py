@@ -301,12 +301,13 @@ class DraftGuard:
         if kind in (NONE, WITHOUT_HEAD):
             self._last_reference[(batch, kind)] = self._steps
             return
-        references = [self.rate(batch, NONE)] + ([self.rate(batch, WITHOUT_HEAD)] if kind == HEAD else [])
-        draft = self.rate(batch, kind)
-        if references[0] is None or draft is None:
+        plain, draft = self.rate(batch, NONE), self.rate(batch, kind)
+        if plain is None or draft is None:
             return
+        # the head must also beat the same plans made without it, once those are measured
+        reference = max(plain, self.rate(batch, WITHOUT_HEAD) or 0.0) if kind == HEAD else plain
         key = (batch, kind)
-        if draft < max(r for r in references if r is not None):  # pause; judge the next trial on fresh steps alone
+        if draft < reference:  # pause, and judge the next trial on fresh steps alone
             pause = self._pause.get(key, self.min_pause)
             self._paused_until[key] = self._steps + pause
             self._pause[key] = min(2 * pause, self.max_pause)

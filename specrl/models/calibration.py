@@ -15,10 +15,10 @@ prefill chunks (bucket 512) 1%. Heads never run over prefill rows: they are time
 (B*T for B<=8, k<=4; a head over more rows is compute-bound and keeps its 48-row call) and
 weighted without the prefill share.
 
-Timing: weights are cycled through a ring of copies twice the L3 size, so each call streams
-its weight from memory as a real forward does (30 layers of SmolLM2 are 478 MB: nothing stays
-cached between two uses of one weight). The fastest of a few calls: other processes only
-ever add time.
+Timing: weights are cycled through a ring of copies larger than the L3 (`ring_copies`), so each
+call streams its weight from memory as a real forward does (30 layers of SmolLM2 are 478 MB:
+nothing stays cached between two uses of one weight). The fastest of a few calls: other processes
+only ever add time.
 
 Measurements are cached in `<directory>/linears-<dtype>-<threads>t.json` under a key (CPU
 model, the flags that matter, torch version, torch threads, dtype, this module's schema): a
@@ -50,6 +50,8 @@ AMX_FLAGS = ("amx_tile", "amx_bf16")
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
              "avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
 DEFAULT_L3 = 32 << 20
+RING_BYTES = 512 << 20  # the ring's size where twice the L3 is more (`ring_copies`)
+MAX_RING_COPIES = 64
 
 
 def cpu_info() -> tuple[str, frozenset[str]]:
@@ -251,6 +253,17 @@ def l3_bytes() -> int:
         return DEFAULT_L3
 
 
+def ring_copies(weight_bytes: int, l3: int) -> int:
+    """How many copies of a weight the timing ring cycles through: enough for twice the L3, but
+    where that is more than RING_BYTES, only as many as pass the L3 by one weight (or reach
+    RING_BYTES): cycling a ring larger than an LRU cache misses on every access all the same. Why
+    bounded: the ring is the process's peak memory, and a VM can report its host's whole L3
+    (measured: 480 MB on a 2-core AMX Xeon, where twice the L3 held nine copies of SmolLM2's
+    float32 head, 1 GB, and `bench engine` read a peak RSS 420 MB above its limit)."""
+    ring = min(2 * l3, max(l3 + weight_bytes, RING_BYTES))
+    return max(1, min(MAX_RING_COPIES, math.ceil(ring / weight_bytes)))
+
+
 def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int, ...],
                   storages: list[str], progress: bool = False, passes: int = 2,
                   x_dtype: torch.dtype | None = None) -> dict:
@@ -270,7 +283,7 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
 
     out_features, in_features = shape
     nbytes = out_features * in_features * torch.empty(0, dtype=dtype).element_size()
-    copies = max(1, min(64, math.ceil(2 * l3_bytes() / nbytes)))
+    copies = ring_copies(nbytes, l3_bytes())
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.02)  # one tensor of the dtype, no fp32 temporary
     x_dtype = dtype if x_dtype is None else x_dtype

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from specrl.models.calibration import (BUCKETS, HEAD_BUCKETS, Calibration, bucket_of, bucket_weights,
-                                       resolve_dtype)
+from specrl.models.calibration import (BUCKETS, HEAD_BUCKETS, MAX_RING_COPIES, RING_BYTES, Calibration,
+                                       bucket_of, bucket_weights, resolve_dtype, ring_copies)
 from specrl.models.linear import STORAGES
 
 SHAPE = (48, 32)
@@ -59,6 +59,27 @@ def test_bucket_weights_cover_the_engine_rows():
     assert weights[512] == pytest.approx(0.01) and weights[1] == pytest.approx(0.05, rel=0.01)
     assert abs(sum(bucket_weights(HEAD_BUCKETS, prefill_share=0).values()) - 1) < 1e-9
     assert [bucket_of(r, BUCKETS) for r in (1, 7, 9, 17, 136, 137, 4096)] == [1, 8, 10, 24, 136, 512, 512]
+
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("l3", [8 * MB, 32 * MB, 105 * MB, 480 * MB, 2048 * MB])
+@pytest.mark.parametrize("weight", [1 * MB, 7 * MB, 56 * MB, 113 * MB, 600 * MB])
+def test_the_timing_ring_passes_the_l3_within_its_memory_bound(l3, weight):
+    """Every timed call streams its weight from memory (the ring outgrows the L3 unless that takes
+    more than MAX_RING_COPIES copies), and the ring never holds more than twice the L3 or the
+    larger of RING_BYTES and the L3 plus one weight, by more than one copy."""
+    copies = ring_copies(weight, l3)
+    assert copies * weight > l3 or copies == MAX_RING_COPIES
+    assert (copies - 1) * weight < max(min(2 * l3, max(RING_BYTES, l3 + weight)), weight)
+    if 2 * l3 <= RING_BYTES:  # a small L3: twice it, as before the bound
+        assert copies == min(MAX_RING_COPIES, -(-2 * l3 // weight))
+
+
+def test_a_big_reported_l3_does_not_multiply_a_large_weight():
+    """A VM reporting its host's 480 MB L3: SmolLM2's float32 head (113 MB) took nine copies, 1 GB."""
+    assert ring_copies(113 * MB, 480 * MB) * 113 * MB <= 480 * MB + 2 * 113 * MB
 
 
 def test_measurements_are_cached_and_reused(tmp_path):

@@ -4,11 +4,12 @@ over T positions at B=1 costs 1.0 for T=1 and 1.6-2.0 for T=2..5; one drafter pa
 from __future__ import annotations
 
 import itertools
+
 import pytest
 import torch
 
-from specrl.spec.controller import (HEAD, NONE, SUFFIX, WITHOUT_HEAD, CostModel, RowOffer, SpeculationController, StepPlan,
-                                   _non_decreasing, expected_tokens)
+from specrl.spec.controller import (HEAD, NONE, SUFFIX, WITHOUT_HEAD, CostModel, RowOffer, SpeculationController,
+                                   StepPlan, _non_decreasing, expected_tokens)
 from specrl.spec.suffix_acceptance import SuffixAcceptance, match_bucket
 from specrl.spec.suffix_index import SuffixDraft
 

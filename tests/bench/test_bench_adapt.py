@@ -44,6 +44,9 @@ def test_bench_adapt_tiny(tmp_path, capsys):
         assert online["ratio_b1"] == pytest.approx(online["b1"]["tokens_per_s"] / plain["tokens_per_s"])
         assert 1.0 <= online["mean_acceptance_length_k4"] <= FIXED_K + 1
         assert 0.0 <= online["b1"]["same_output"] <= 1.0
+        cpu = c["cpu"]  # who used the cores while it measured: the meter did, the paused trainer did not
+        assert cpu["meter_s"] > 0 and cpu["server_s"] is not None and cpu["trainer_s"] is not None
+        assert cpu["meter_s"] + cpu["server_s"] + cpu["trainer_s"] <= cpu["wall_s"] * cpu["cores"] * 1.05
     for c in (start, end):  # batch 4 at the first and last checkpoint
         assert finite(c["drafters"]["online"]["ratio_b4"]) and finite(c["plain"]["b4"]["tokens_per_s"])
         assert finite(c["drafters"]["online"]["ratio_b4_median"]) and c["drafters"]["online"]["ratio_b4_median"] > 0
@@ -73,3 +76,4 @@ def test_bench_adapt_tiny(tmp_path, capsys):
     assert height > 100 and width > 100
     out = capsys.readouterr().out
     assert "acc.k4" in out and str(tmp_path / "bench-adapt.json") in out
+    assert "kl end: cpu over" in out and "stolen" in out

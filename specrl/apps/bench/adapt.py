@@ -17,7 +17,10 @@ running (the store's `current`, the day-0 head before any publish):
     shared target, prompt by prompt alternately at B = 1 (ratio of the totals, and the median of
     the per-prompt ratios, which a load spike from another process moves less), and over all 8
     at B = 4 (first and last checkpoint only; five rounds, in alternating order: ratio of the
-    totals, and the median of the per-round ratios), with the fraction of identical outputs.
+    totals, and the median of the per-round ratios), with the fraction of identical outputs;
+  - who used the CPU meanwhile (`cpu_use`): this process, the server's and the trainer's process
+    trees, the rest of the machine and the hypervisor (steal): a low reading with another
+    process busy is a disturbed one.
 Then the trainer continues (SIGCONT) and so does the traffic. Measuring with the trainer paused
 keeps the three processes from fighting over the cores; the price is that the loop stands still
 while it measures, so every time below is on the traffic clock: wall time minus pauses.
@@ -64,7 +67,7 @@ from pathlib import Path
 
 import torch
 
-from specrl.apps.bench import adapt_report
+from specrl.apps.bench import adapt_report, cpu_use
 from specrl.apps.bench.adapt_meter import FIXED_K, NEW_TOKENS, Meter
 from specrl.apps.bench.backends import machine_record
 from specrl.apps.flags import COMMON, add_settings, settings_from
@@ -299,7 +302,10 @@ class Run:
                 drafters["frozen"] = self.meter.drafter(self.store, None if self.frozen == "day0" else self.frozen)
             _progress(f"run={self.spec.name}: checkpoint {label}: measuring "
                       + ", ".join(f"{k}={v[0]}" for k, v in drafters.items()))
+            pids = {"meter": os.getpid(), **{name: child.pid for name, child in self.children.items()}}
+            before = cpu_use.snapshot(pids)
             measured = self.meter.measure(drafters, self.prompts, batch4)
+            measured["cpu"] = cpu_use.use(before, cpu_use.snapshot(pids))
         finally:
             if resume:
                 self._resume()
@@ -313,7 +319,7 @@ class Run:
         _progress(f"run={self.spec.name}: checkpoint {label}: traffic {row['traffic_s'] / 60:.1f} min, "
                   f"drafter {online['version']}, acceptance length k=4 {adapt_report.fmt(online['mean_acceptance_length_k4'])}, "
                   f"B=1 {online['b1']['tokens_per_s']:.1f} vs plain {measured['plain']['b1']['tokens_per_s']:.1f} "
-                  f"tok/s ({online['ratio_b1']:.2f}x)")
+                  f"tok/s ({online['ratio_b1']:.2f}x); {cpu_use.describe(row['cpu'])}")
         return row
 
     def _pause(self) -> None:

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from specrl.apps.bench import cpu_use
 from specrl.apps.bench.backends import machine_line, settings_record
 from specrl.config import Settings
 from specrl.telemetry.event_log import read_events
@@ -141,6 +142,10 @@ def print_table(result: dict) -> None:
                       f"{d['b1']['tokens_per_s']:>6.1f} {c['plain']['b1']['tokens_per_s']:>6.1f} "
                       f"{d['ratio_b1']:>5.2f} {d['ratio_b1_median']:>5.2f} {fmt(d.get('ratio_b4')):>5} "
                       f"{fmt(d.get('ratio_b4_median')):>5}")
+    for run in result["runs"]:
+        for c in run["checkpoints"]:
+            if "cpu" in c:  # reports before session 20 lack it
+                print(f"{run['name']} {c['label']}: {cpu_use.describe(c['cpu'])}")
     for run in result["runs"]:
         t, lag = run["throughput"], run["lag"]
         print(f"{run['name']}: {len(run['publishes'])} publishes; trainer {t['trained_records_per_s']:.2f} records/s "

@@ -1,6 +1,9 @@
 """The start-up calibration: dtype by CPU flags, a cache keyed by machine, one storage per weight."""
 
 import json
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +174,25 @@ def test_one_disturbed_pass_does_not_drop_the_fastest_call(monkeypatch):
     state.update({"pass": 0, "rows": 0})
     single = calibration.measure_shape(SHAPE, torch.float32, buckets, ["fake"], passes=1)
     assert single["fake"]["flaky"][1] > 20 and single["fake"]["flaky"][2:] == [None, None]  # one pass: dropped
+
+
+FREED_BLOCKS_STAY = """
+import psutil
+from specrl.models.calibration import return_freed_memory
+rss = lambda: psutil.Process().memory_info().rss / 2**20
+block = bytearray(8 << 20)
+del block  # a freed mmapped block: glibc's mmap threshold rises past 8 MiB, so 1 MiB blocks now come from the heap
+blocks = [bytearray(1 << 20) for _ in range(200)]
+top = blocks[-1]
+del blocks  # 199 MiB freed below the heap's top, which `top` pins: free() alone returns none of it
+before = rss()
+print(return_freed_memory(), before - rss())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_freed_heap_memory_goes_back_to_the_system():
+    """What the calibration does after timing a shape: the ring's freed copies leave the RSS."""
+    out = subprocess.run([sys.executable, "-c", FREED_BLOCKS_STAY], capture_output=True, text=True, check=True)
+    trimmed, returned_mib = out.stdout.split()
+    assert trimmed == "True" and float(returned_mib) > 150

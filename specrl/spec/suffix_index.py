@@ -499,6 +499,17 @@ class SuffixIndex:
             return SuffixDraft(*self._core.propose(ctx, max_tokens, min_confidence, tuple(peers), uniforms))
 
     @property
+    def reserved_bytes(self) -> int:
+        """What the C core reserves for the global index at construction, the bound its memory stays
+        within however much traffic arrives: 4 bytes a ring slot of tokens, and per order 4 bytes a
+        slot of chain and 4 a bucket head (a power of two, at least one a slot). Request contexts
+        come on top, each its own tokens' worth. (The twin keeps Python lists: several times more.)"""
+        if self.capacity_tokens == 0:
+            return 0
+        heads = 1 << _bits_for(self.capacity_tokens)
+        return 4 * self.capacity_tokens + len(self.orders) * 4 * (self.capacity_tokens + heads)
+
+    @property
     def documents(self) -> int:
         """Documents kept now."""
         return self._core.documents

@@ -262,6 +262,24 @@ def test_adversarial_repetition_stays_bounded(native):
     assert proposal(ix, ctx, 16, 0.1) == (prompt[100:116], [1.0] * 16)
 
 
+@pytest.mark.skipif(not NATIVE_AVAILABLE, reason="extension not built")
+def test_a_full_index_stays_within_its_reserved_bytes():
+    """Twice the capacity of varied and of repeated traffic: the RSS grows by what the C core
+    reserved (`reserved_bytes`, the bound `bench index` reports), not with the traffic."""
+    psutil = pytest.importorskip("psutil")
+    capacity = 2_000_000
+    rng = random.Random(0)
+    varied = [[rng.randrange(49152) for _ in range(300)] for _ in range(100)]
+    rss = psutil.Process().memory_info().rss
+    ix = index(True, capacity=capacity)
+    for key in range(2 * capacity // 301):
+        ix.add(key, varied[key % 100] if key % 2 else varied[0])
+    grown = psutil.Process().memory_info().rss - rss
+    assert ix.tokens + ix.documents <= capacity and ix.evicted > 0
+    assert ix.reserved_bytes == 4 * capacity + 2 * 4 * (capacity + (1 << 21))
+    assert grown <= 1.1 * ix.reserved_bytes
+
+
 def test_rejects_bad_tokens_and_foreign_contexts(native):
     ix = index(native)
     with pytest.raises(ValueError):

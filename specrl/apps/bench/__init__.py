@@ -2,9 +2,9 @@
 
 
 def register(sub) -> None:
-    from specrl.apps.bench import adapt, engine, kernels, learn, serve
+    from specrl.apps.bench import adapt, engine, index, kernels, learn, serve
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON and PNG)")
     benches = bench.add_subparsers(title="benchmarks")
-    for module in (engine, serve, adapt, learn, kernels):
+    for module in (engine, serve, adapt, learn, kernels, index):
         module.register(benches)

@@ -182,6 +182,13 @@ def as_messages(prompt: Prompt, system: str | None = None) -> list[dict[str, str
     return head + [{"role": "user", "content": prompt.text}]
 
 
+def chat_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Each prompt as a chat request's token ids: the user turn through the tokenizer's chat
+    template, with the assistant's turn opened (what the server decodes after)."""
+    return [list(tokenizer.apply_chat_template(as_messages(p), add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)) for p in prompts]
+
+
 Weights = Mapping[str, float]
 ShiftPoint = int | float
 

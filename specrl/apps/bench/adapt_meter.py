@@ -66,10 +66,9 @@ class Meter:
         engine.index_finished = False
 
     def encode(self, prompts: list) -> list[list[int]]:
-        from specrl.data import as_messages
+        from specrl.data import chat_token_ids
 
-        return [list(self.tokenizer.apply_chat_template(as_messages(p), add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)) for p in prompts]
+        return chat_token_ids(self.tokenizer, prompts)
 
     def drafter(self, store, version: str | None):
         """-> (version, drafter): a store version (verified), or the day-0 head for None."""

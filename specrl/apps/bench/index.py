@@ -97,11 +97,9 @@ def _prompt_tokens(settings: Settings) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from specrl.assets import resolve_model
-    from specrl.data import as_messages, load_prompts
+    from specrl.data import chat_token_ids, load_prompts
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings.model, settings.home))
-    return [list(tokenizer.apply_chat_template(as_messages(p), add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)) for p in load_prompts()]
+    return chat_token_ids(AutoTokenizer.from_pretrained(resolve_model(settings.model, settings.home)), load_prompts())
 
 
 def _document(prompts: list[list[int]], tokens: int, rng: random.Random) -> list[int]:
@@ -159,12 +157,9 @@ def _scenario(name: str, documents: list[list[int]], contexts: list[list[int]], 
 
 
 def _percentiles(values: list[float]) -> dict:
-    ordered = sorted(values)
-    return {"p50": _at(ordered, 0.50), "p99": _at(ordered, 0.99), "max": ordered[-1], "n": len(ordered)}
+    from specrl.loadtest.report import percentile
 
-
-def _at(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": max(values), "n": len(values)}
 
 
 def _progress(items: list, label: str):

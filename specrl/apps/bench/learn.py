@@ -150,7 +150,7 @@ def _record(settings: Settings, prompts: int, heldout: int, max_tokens: int) -> 
 
     from tqdm import tqdm
 
-    from specrl.data import PromptMix, as_messages
+    from specrl.data import PromptMix, chat_token_ids
     from specrl.engine.engine import Engine
     from specrl.spec.sampling import SamplingParams
     from specrl.telemetry.sink import MemorySink
@@ -162,8 +162,7 @@ def _record(settings: Settings, prompts: int, heldout: int, max_tokens: int) -> 
     out = {}
     for name, split, n in (("train", "train", prompts), ("heldout", "heldout", heldout)):
         chosen = list(itertools.islice(PromptMix(MIX, split=split, seed=settings.seed), n))
-        ids = [list(engine.tokenizer.apply_chat_template(as_messages(p), add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False)) for p in chosen]
+        ids = chat_token_ids(engine.tokenizer, chosen)
         sink.records.clear()
         with tqdm(total=n, desc=f"bench learn: recording {split} traffic ({max_tokens} tokens each)",
                   unit="request", file=sys.stderr, leave=False) as bar:

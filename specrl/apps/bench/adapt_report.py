@@ -144,7 +144,7 @@ def print_table(result: dict) -> None:
                       f"{fmt(d.get('ratio_b4_median')):>5}")
     for run in result["runs"]:
         for c in run["checkpoints"]:
-            if "cpu" in c:  # reports before session 20 lack it
+            if "cpu" in c:  # reports written before 2026-12-04 lack it
                 print(f"{run['name']} {c['label']}: {cpu_use.describe(c['cpu'])}")
     for run in result["runs"]:
         t, lag = run["throughput"], run["lag"]

@@ -1,11 +1,11 @@
 """Who used the CPU while a benchmark measured: named processes, the rest of the machine, the hypervisor.
 
 A benchmark that times two engines side by side trusts that nothing else ran meanwhile. When a
-measurement reads low (session 19: plain B=1 at 44-56 tok/s in `bench adapt`'s last checkpoints
-against 74-88 before), these numbers say whether it was one of the benchmark's own processes (the
-server, the trainer, the meter itself), another process on the machine, or the hypervisor giving
-the cores to a neighbour (steal time). Seconds of CPU over a window: `snapshot()` before,
-`snapshot()` after, `use(before, after)`.
+measurement reads low (an AMX Xeon, 2026-12-04: plain B=1 at 44-56 tok/s in `bench adapt`'s last
+checkpoints against 74-88 before), these numbers say whether it was one of the benchmark's own
+processes (the server, the trainer, the meter itself), another process on the machine, or the
+hypervisor giving the cores to a neighbour (steal time). Seconds of CPU over a window:
+`snapshot()` before, `snapshot()` after, `use(before, after)`.
 """
 
 from __future__ import annotations

@@ -333,7 +333,7 @@ def _result(settings: Settings, quick: bool, device: torch.device, use_triton: b
     notes = []
     if not use_triton:
         notes.append("twins only: Triton kernels need a CUDA device"
-                     + ("" if device.type == "cuda" else "; H200 figures: README, \"Measured on a GPU\""))
+                     + ("" if device.type == "cuda" else "; H200 figures: docs/results/2026-12-04-h200-triton-kernels.md"))
     return {
         "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
         "quick": quick, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()

@@ -1,4 +1,4 @@
-"""Environments users write (`--env package.module:ClassName`): the README's example, one-line errors for
+"""Environments users write (`--env package.module:ClassName`): docs/rl.md's example, one-line errors for
 specs that do not resolve, and the scoring pool against scorers that raise, hang, return junk or die."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specrl.errors import InvalidRequestError
 from specrl.trainer.envs import ScorePool, Task, make_env, take_tasks
 
 HERE = Path(__file__).parent
-README = HERE.parents[1] / "README.md"
+RL_DOC = HERE.parents[1] / "docs" / "rl.md"
 
 
 @pytest.fixture
@@ -25,15 +25,15 @@ def user_envs(monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
 
 
-def _readme_example() -> str:
-    """The example environment of README.md's "Policy RL" section: the python block after its marker."""
-    text = README.read_text()
-    section = text[text.index("## Policy RL"):]
+def _documented_example() -> str:
+    """The example environment of docs/rl.md's "Environments" section: the python block after its marker."""
+    text = RL_DOC.read_text()
+    section = text[text.index("## Environments"):]
     return re.search(r"<!-- example environment -->\n```python\n(.*?)```", section, re.DOTALL).group(1)
 
 
-def test_the_readme_example_environment_runs(tmp_path, monkeypatch):
-    code = _readme_example()
+def test_the_documented_example_environment_runs(tmp_path, monkeypatch):
+    code = _documented_example()
     assert len(code.splitlines()) <= 20              # the issue's "20-line example"
     (tmp_path / "reverse_word.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -20,7 +20,7 @@ from specrl.engine.swap import SwapRequest, SwapResult, load_swap
 from specrl.errors import EngineUnavailableError
 from specrl.models.compute_threads import release_compute_threads
 from specrl.serving.loop import NO_DRAFTER
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from specrl.telemetry.fleet import FleetFeed
 from specrl.telemetry.redis_sink import RedisSink
 from specrl.telemetry.sink import MemorySink

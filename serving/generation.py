@@ -13,8 +13,8 @@ import time
 
 from specrl.engine.outputs import StepOutput
 from specrl.serving.loop import ServingLoop
-from specrl.spec.quantities import SpecCounts
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.quantities import SpecCounts
+from specrl.speculation.sampling import SamplingParams
 
 
 class ChoiceStream:

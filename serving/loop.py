@@ -12,7 +12,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 from specrl.engine.outputs import EngineStats, StepOutput
 from specrl.engine.swap import SwapResult
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from specrl.telemetry.sink import SinkCounters
 
 NO_DRAFTER = "this server runs without a drafter (--drafter none)"

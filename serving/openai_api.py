@@ -20,7 +20,7 @@ from specrl.errors import InvalidRequestError, ModelNotFoundError, SpecrlError
 from specrl.serving.generation import ChoiceStream, run_choices
 from specrl.serving.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, error_body, fingerprint, new_id, now, usage)
-from specrl.spec.quantities import SpecCounts
+from specrl.speculation.quantities import SpecCounts
 
 router = APIRouter(prefix="/v1")
 tokens_router = APIRouter()  # vLLM's /tokenize and /detokenize

@@ -15,7 +15,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specrl.errors import InvalidRequestError
-from specrl.spec.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from specrl.speculation.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 8
 IGNORED = ("user", "metadata", "store")

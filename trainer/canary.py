@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from specrl.spec.quantities import acceptance_rate
+from specrl.speculation.quantities import acceptance_rate
 from specrl.telemetry.record import SegmentRecord
 
 

@@ -42,7 +42,7 @@ from specrl.config import Settings
 from specrl.engine.start import DAY0, NO_DRAFTER, build_drafter, start_weights
 from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.models.drafter import EagleDrafter
-from specrl.spec.simulate import simulate_greedy
+from specrl.speculation.simulate import simulate_greedy
 from specrl.telemetry.event_log import EventLog
 from specrl.telemetry.reader import RecordReader
 from specrl.telemetry.record import SegmentRecord

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specrl.config import Settings
 from specrl.models.calibration import AMX_FLAGS, NATIVE_BF16_FLAGS, cpu_info, resolve_dtype
-from specrl.spec.controller import CostModel, SpeculationController, expected_tokens
+from specrl.speculation.controller import CostModel, SpeculationController, expected_tokens
 from specrl.engine.start import DAY0, StartWeights, build_drafter, start_weights
 from specrl.serving.vllm import check_version
 from specrl.serving.loop import NO_DRAFTER

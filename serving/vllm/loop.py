@@ -35,8 +35,8 @@ from specrl.engine.validation import check_request
 from specrl.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, SwapError
 from specrl.serving.engine_loop import read_outputs
 from specrl.serving.loop import NO_DRAFTER
-from specrl.spec.quantities import SpecCounts
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.quantities import SpecCounts
+from specrl.speculation.sampling import SamplingParams
 
 log = logging.getLogger("specrl.engine")
 TELEMETRY_TAIL_S = 5.0  # telemetry counters refresh every second while busy and this long after

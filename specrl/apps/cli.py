@@ -84,7 +84,7 @@ def register_generate(sub) -> None:
 
 def generate(args: argparse.Namespace) -> int:
     from specrl.engine.engine import Engine
-    from specrl.spec.sampling import SamplingParams
+    from specrl.speculation.sampling import SamplingParams
 
     engine = Engine.from_settings(settings_from(args))
     if args.no_chat:

@@ -128,7 +128,7 @@ def _answer(settings: Settings, directory: Path, tokenizer, pool: ScorePool, hel
     """One version's per-task values: reward and pass@1 greedy, and with samples the correct counts and pass@k."""
     from specrl.engine.engine import Engine
     from specrl.models.llama import load_llama
-    from specrl.spec.sampling import SamplingParams
+    from specrl.speculation.sampling import SamplingParams
 
     engine = Engine(load_llama(directory), tokenizer, settings.replace(drafter="none"))
     greedy = pool.score_each(heldout, _generate(engine, prompts, [SamplingParams(max_tokens=max_tokens,

@@ -6,7 +6,7 @@ the seconds each waited for another: `trainer.rollout.RolloutPipeline.stats`).
 Acceptance recovery is computed from the server's /metrics counters, sampled during the run
 (`specrl.apps.scrape.sample_metrics`: `tokens` = specrl_generation_tokens_total, `steps` =
 specrl_verify_steps_total, `accepted` = vllm:spec_decode_num_accepted_tokens_total). The acceptance
-of a stretch of samples is `specrl.spec.quantities.tokens_per_step` over the summed counter deltas
+of a stretch of samples is `specrl.speculation.quantities.tokens_per_step` over the summed counter deltas
 (tokens per verify step, k = 0 steps included: what serving delivered, as on the live plot), so a
 long window is not the mean of noisy per-sample ratios.
 """
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from specrl.spec.quantities import tokens_per_step
+from specrl.speculation.quantities import tokens_per_step
 
 TOLERANCE = 0.10  # "back within 10% of the pre-swap value"
 STAGES = (("generator", "rollouts"), ("environment", "scores"), ("trainer", "samples"))

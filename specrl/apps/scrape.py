@@ -8,7 +8,7 @@ import re
 import time
 import urllib.request
 
-from specrl.spec.quantities import acceptance_rate, tokens_per_step
+from specrl.speculation.quantities import acceptance_rate, tokens_per_step
 from specrl.telemetry.token_use import token_yield
 
 METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",

@@ -28,11 +28,11 @@ from specrl.errors import SwapInProgressError
 from specrl.models.calibration import Calibration
 from specrl.models.drafter import EagleDrafter
 from specrl.models.llama import Llama, load_llama
-from specrl.spec.controller import HEAD, CostModel, RowOffer, SpeculationController, StepPlan
-from specrl.spec.propose import Draft, assemble, catch_up, propose
-from specrl.spec.sampling import RowSampler, SamplingParams, position_uniforms
-from specrl.spec.suffix_index import SuffixDraft, SuffixIndex
-from specrl.spec.verify import Verification, sample_first, verify
+from specrl.speculation.controller import HEAD, CostModel, RowOffer, SpeculationController, StepPlan
+from specrl.speculation.propose import Draft, assemble, catch_up, propose
+from specrl.speculation.sampling import RowSampler, SamplingParams, position_uniforms
+from specrl.speculation.suffix_index import SuffixDraft, SuffixIndex
+from specrl.speculation.verify import Verification, sample_first, verify
 from specrl.telemetry.record import StepRecord
 from specrl.telemetry.segments import SegmentWriter
 from specrl.telemetry.sink import RecordSink

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from specrl.spec.quantities import SpecCounts
+from specrl.speculation.quantities import SpecCounts
 
 
 @dataclass

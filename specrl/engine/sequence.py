@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specrl.spec.quantities import SpecCounts
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.quantities import SpecCounts
+from specrl.speculation.sampling import SamplingParams
 from specrl.telemetry.segments import SegmentWriter
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specrl.errors import InvalidRequestError
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, vocab: int, limit: int) -> None:

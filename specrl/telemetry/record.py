@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 import torch
 
-from specrl.spec.quantities import SpecCounts
+from specrl.speculation.quantities import SpecCounts
 
 SCHEMA_VERSION = 4
 READABLE_SCHEMAS = (1, 2, 3, 4)

@@ -8,7 +8,7 @@ import torch
 from specrl.engine import engine as engine_module
 from specrl.engine.engine import CATCH_UP_ALONE, _sampler
 from specrl.engine.sequence import Status
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from tests.engine.conftest import chat_prompts
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)

@@ -7,7 +7,7 @@ import pytest
 from specrl.errors import InvalidRequestError, ModelNotFoundError, QueueFullError
 from specrl.serving.engine_loop import EngineLoop
 from specrl.engine.sequence import Status
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from tests.engine.conftest import chat_prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

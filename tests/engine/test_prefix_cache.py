@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specrl.engine.swap import load_swap
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from tests.engine.conftest import chat_prompts
 from tests.engine.test_speculative import assert_same_distribution
 from tests.engine.test_swap import policy_v2  # noqa: F401 (a fixture: the tiny model, perturbed)

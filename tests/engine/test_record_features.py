@@ -6,7 +6,7 @@ from specrl.config import Settings
 from specrl.engine.engine import Engine
 from specrl.engine.outputs import EngineStats, SeenPrefixes
 from specrl.models.llama import load_llama
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from specrl.telemetry.sink import MemorySink
 from tests.engine.conftest import chat_prompts
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from specrl.spec.sampling import RowSampler, SamplingParams
+from specrl.speculation.sampling import RowSampler, SamplingParams
 from tests.engine.conftest import chat_prompts
 from tests.kernels.conftest import assert_follows
 
@@ -146,7 +146,7 @@ def test_a_sample_behind_drafts_from_its_running_peers_text(make_engine, tokeniz
 def test_sampled_tokens_follow_the_target_distribution_with_suffix_drafts(make_engine, tokenizer, seeded):
     """Suffix drafts of sampled rows are drawn from the votes (q = the vote distribution), of seeded
     rows the most voted token (q one-hot): the verified tokens still follow the target, under both
-    acceptance rules (specrl/spec/verify.py). The same prompt sampled many times (a GRPO group) is
+    acceptance rules (specrl/speculation/verify.py). The same prompt sampled many times (a GRPO group) is
     where the index's occurrences disagree. The first two tokens against their exact law,
     chi-square, reject at p < 1e-3."""
     [prompt] = chat_prompts(tokenizer, 1)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from specrl.models.drafter import EagleDrafter
 from specrl.errors import SwapError, SwapInProgressError
 from specrl.engine.swap import load_swap
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from tests.engine.conftest import chat_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 from specrl.apps.scrape import token_uses
 from specrl.serving.engine_loop import EngineLoop
 from specrl.serving.metrics import ServerMetrics
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from specrl.telemetry.record import SegmentRecord
 from specrl.telemetry.sink import MemorySink
 from specrl.telemetry.token_use import SERVER_USES, server_uses

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 
-from specrl.spec.suffix_index import SuffixIndex
+from specrl.speculation.suffix_index import SuffixIndex
 from specrl.telemetry.fleet import FleetFeed
 from specrl.telemetry.record import SegmentRecord, StepRecord
 from specrl.telemetry.redis_sink import RECORD_FIELD, RedisSink, strip_content

@@ -11,7 +11,7 @@ import torch
 
 from specrl.config import Settings
 from specrl.engine.engine import Engine
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from specrl.telemetry.record import SegmentRecord
 from specrl.telemetry.sink import MemorySink
 from specrl.trainer.contexts import ContextBook, Example

@@ -2,8 +2,8 @@
 
 import torch
 
-from specrl.spec.sampling import SamplingParams
-from specrl.spec.simulate import simulate_greedy
+from specrl.speculation.sampling import SamplingParams
+from specrl.speculation.simulate import simulate_greedy
 from tests.engine.conftest import chat_prompts
 
 

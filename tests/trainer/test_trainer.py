@@ -10,7 +10,7 @@ import torch
 
 from specrl.config import Settings
 from specrl.engine.engine import Engine
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 from specrl.telemetry import RecordReader, RedisSink, SegmentRecord, StepRecord, events_stream
 from specrl.trainer.drafter_trainer import DrafterTrainer
 from specrl.trainer.main import GROUP
@@ -283,7 +283,7 @@ def test_negative_unroll_steps_is_refused(home, tmp_path, deployment, tiny_dir):
 def heldout_acceptance(trainer, drafter) -> float:
     """Mean accepted drafts (k = eval_k) over every held-out position: finer than `evaluate`'s
     tokens per step along one walk, which a few held-out examples leave at a handful of values."""
-    from specrl.spec.simulate import simulate_greedy
+    from specrl.speculation.simulate import simulate_greedy
 
     drafter.eval()
     accepted = [simulate_greedy(drafter, features, torch.tensor(example.tokens), example.start,

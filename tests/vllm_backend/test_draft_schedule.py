@@ -3,7 +3,7 @@
 import pytest
 
 from specrl.serving.vllm.build import accept_rate_of, draft_schedule, drafts_anywhere
-from specrl.spec.controller import CostModel, expected_tokens
+from specrl.speculation.controller import CostModel, expected_tokens
 
 
 def costs(verify_growth_b8: float) -> CostModel:

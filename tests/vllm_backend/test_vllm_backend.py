@@ -47,7 +47,7 @@ def test_chat_is_plain_greedy_and_names_its_weights(client, backend, make_engine
     # lossless: the same tokens as the native engine without any drafter
     engine = make_engine(model=backend.model, drafter="none")
     prompt = engine.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
-    from specrl.spec.sampling import SamplingParams
+    from specrl.speculation.sampling import SamplingParams
 
     [plain] = engine.generate([list(prompt)], SamplingParams(max_tokens=12, temperature=0))
     assert resp.choices[0].message.content == plain.text

@@ -55,7 +55,7 @@ CHILD = textwrap.dedent("""
     out["prefix_caching"] = [engine_args(Settings(prefix_cache=on), Path("/m"), Path("/m"), None).enable_prefix_caching
                              for on in (True, False)]
     from specrl.serving.vllm.loop import _vllm_params
-    from specrl.spec.sampling import SamplingParams
+    from specrl.speculation.sampling import SamplingParams
     ours = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, min_tokens=3, seed=4,
                           stop=("x",), stop_token_ids=(7,), ignore_eos=True, logprobs=2, repetition_penalty=1.2,
                           presence_penalty=0.5, frequency_penalty=-0.5, logit_bias=((11, 2.5),),

@@ -154,7 +154,7 @@ def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: b
     machine["end"] = machine_record()
     measurement = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "fixed_k": FIXED_K, "traffic_tokens": TRAFFIC_TOKENS,
                    "measure_every_min": MEASURE_EVERY_MIN, "mix": MIX, "shift_domains": SHIFT,
-                   "mean_acceptance_length": "1 + accepted / drafting steps (specrl.spec.quantities)",
+                   "mean_acceptance_length": "1 + accepted / drafting steps (specrl.speculation.quantities)",
                    "interference": "traffic drained and the trainer SIGSTOPped during every measurement; "
                                    "times are on the traffic clock (pauses excluded)"}
     return adapt_report.build_result(settings, minutes, objectives, shift, users, reports, bool(settings.redis_url),

@@ -9,7 +9,7 @@ import statistics
 import time
 
 from specrl.config import Settings
-from specrl.spec.quantities import SpecCounts
+from specrl.speculation.quantities import SpecCounts
 
 FIXED_K = 4
 NEW_TOKENS = 48
@@ -53,7 +53,7 @@ class Meter:
 
     def reset_index(self) -> None:
         """A new, empty shared suffix index for the engines that use one (a new run's traffic)."""
-        from specrl.spec.suffix_index import SuffixIndex
+        from specrl.speculation.suffix_index import SuffixIndex
 
         self.index = SuffixIndex(self.settings.suffix_capacity)
         for engine in (self.plain, *self.head, *self.hybrid, self.suffix, self.fixed):
@@ -82,7 +82,7 @@ class Meter:
     def measure(self, drafters: dict, prompts: list[list[int]], batch4: bool) -> dict:
         """drafters: label -> (version, EagleDrafter). -> {"plain": {b1, b4}, "drafters": {configuration:
         ...}} with configurations `label` (head alone), `label+suffix` and "suffix"."""
-        from specrl.spec.sampling import SamplingParams
+        from specrl.speculation.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
         while len(self.head) < len(drafters):

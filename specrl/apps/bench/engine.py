@@ -56,8 +56,8 @@ from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
 from specrl.models.calibration import NATIVE_BF16_FLAGS, STREAM_FLAGS, cpu_info
-from specrl.spec.quantities import SpecCounts
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.quantities import SpecCounts
+from specrl.speculation.sampling import SamplingParams
 
 NATIVE_PLAIN, NATIVE_SPEC, HF = "native_plain", "native_spec", "hf_generate"
 ROUNDS = 5  # timed runs per engine and batch size, the engines of a ratio in turn (native; vLLM's per dtype)

@@ -70,7 +70,7 @@ def run_index_bench(settings: Settings, documents: int, doc_tokens: int, request
                     out_dir: str | None) -> dict:
     """Run the three scenarios; print a table; write bench-index.json and .png -> the result."""
     from specrl.apps.bench.backends import machine_record
-    from specrl.spec.suffix_index import NATIVE_AVAILABLE
+    from specrl.speculation.suffix_index import NATIVE_AVAILABLE
 
     prompts = _prompt_tokens(settings)
     rng = random.Random(settings.seed)
@@ -123,7 +123,7 @@ def _contexts(prompts: list[list[int]], documents: list[list[int]], n: int, leng
 
 
 def _scenario(name: str, documents: list[list[int]], contexts: list[list[int]], capacity: int) -> dict:
-    from specrl.spec.suffix_index import SuffixIndex
+    from specrl.speculation.suffix_index import SuffixIndex
 
     gc.collect()
     rss_before = psutil.Process().memory_info().rss

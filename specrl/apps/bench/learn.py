@@ -16,7 +16,7 @@ CPU-second, trained on shipped vs recomputed target features, for each objective
    the target's head) and "recomputed" (the trainer's own copy of the target runs every context,
    as it does for records without features).
 3. Every `--eval-every` CPU-seconds of training and at the end: held-out acceptance length (k = 4,
-   exact greedy simulation, specrl/spec/simulate.py `simulate_greedy`, tokens per verify step)
+   exact greedy simulation, specrl/speculation/simulate.py `simulate_greedy`, tokens per verify step)
    over the held-out requests, from their shipped features (the same for every run).
 JSON (the command, versions, settings, every curve) and a PNG: acceptance length against trained
 tokens and against training CPU-seconds, one line per run; a table at the end with ratios.
@@ -103,7 +103,7 @@ def run_learn_bench(settings: Settings, *, minutes: float, objectives: list[str]
               "traffic": {k: v for k, v in traffic.items() if k not in ("train", "heldout")},
               "measurement": {"cpu_seconds": "time.process_time() of this process (all threads), evaluation excluded",
                               "acceptance_length": "mean tokens per verify step of exact greedy decoding, k = 4, over "
-                                                   "the held-out requests (specrl.spec.simulate.simulate_greedy)",
+                                                   "the held-out requests (specrl.speculation.simulate.simulate_greedy)",
                               "trained_tokens": "drafter positions in the loss (the trainer's use=trained)"},
               "runs": runs, "summary": summarize(runs)}
     (out / "bench-learn.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -152,7 +152,7 @@ def _record(settings: Settings, prompts: int, heldout: int, max_tokens: int) -> 
 
     from specrl.data import PromptMix, chat_token_ids
     from specrl.engine.engine import Engine
-    from specrl.spec.sampling import SamplingParams
+    from specrl.speculation.sampling import SamplingParams
     from specrl.telemetry.sink import MemorySink
 
     sink = MemorySink(features_max_bytes=settings.record_features_max_bytes)

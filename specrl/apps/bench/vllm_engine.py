@@ -36,7 +36,7 @@ from pathlib import Path
 
 from specrl.config import Settings
 from specrl.errors import SpecrlError
-from specrl.spec.sampling import SamplingParams
+from specrl.speculation.sampling import SamplingParams
 
 DTYPE_SUFFIX = {"float32": "", "float16": "_fp16", "bfloat16": "_bf16"}  # bench rows' names by dtype
 

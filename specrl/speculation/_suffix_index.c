@@ -1,4 +1,4 @@
-/* The C core of specrl.spec.suffix_index: the same algorithm as the plain-Python twin there
+/* The C core of specrl.speculation.suffix_index: the same algorithm as the plain-Python twin there
  * (_TwinIndex, _TwinContext), which the tests compare it against. Read that module's docstring
  * first; this file only adds the memory layout.
  *
@@ -209,7 +209,7 @@ static PySequenceMethods Context_as_sequence = {.sq_length = (lenfunc)Context_le
 
 static PyTypeObject ContextType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "specrl.spec._suffix_index.Context",
+    .tp_name = "specrl.speculation._suffix_index.Context",
     .tp_doc = "One request's own tokens and hash chains; made by Index.new_context().",
     .tp_basicsize = sizeof(ContextObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -599,8 +599,8 @@ static PyMemberDef Index_members[] = {
 
 static PyTypeObject IndexType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "specrl.spec._suffix_index.Index",
-    .tp_doc = "Index(capacity, min_match, max_match, max_occurrences, own_bonus): see specrl.spec.suffix_index.",
+    .tp_name = "specrl.speculation._suffix_index.Index",
+    .tp_doc = "Index(capacity, min_match, max_match, max_occurrences, own_bonus): see specrl.speculation.suffix_index.",
     .tp_basicsize = sizeof(IndexObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -613,7 +613,7 @@ static PyTypeObject IndexType = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_suffix_index",
-    .m_doc = "C core of specrl.spec.suffix_index (see its docstring).",
+    .m_doc = "C core of specrl.speculation.suffix_index (see its docstring).",
     .m_size = -1,
 };
 

@@ -14,7 +14,7 @@ distribution of the token after the row's history and the first J - T + 1 + t of
 (J >= T - 1). In a verify step (T = K + 1, J = K) position i counts the drafts d_1..d_i it follows
 as generated, which they are if accepted; a drafting pass (T = 1) counts every token drafted so
 far. So every distribution a step uses is the one plain decoding would use after the same tokens,
-and speculation stays exact under every rule of specrl.spec.verify.
+and speculation stays exact under every rule of specrl.speculation.verify.
 
 Only the rows that ask for any of this are touched (`rows`); a batch where none does has no
 `LogitAdjust` at all (RowSampler.adjust is None), so default requests pay nothing.

@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from specrl.spec.suffix_index import SuffixDraft
+from specrl.speculation.suffix_index import SuffixDraft
 
 MATCH_BUCKETS = (2, 3, 5, 9, 17)  # upper bounds of the effective match length per cell; longer: one more cell
 

@@ -1,4 +1,4 @@
-"""SamplingParams validation and per-row sampling rules (specrl/spec/sampling.py)."""
+"""SamplingParams validation and per-row sampling rules (specrl/speculation/sampling.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specrl.errors import InvalidRequestError
-from specrl.spec.sampling import RowSampler, SamplingParams, min_p_filter, top_k_filter, top_p_filter
+from specrl.speculation.sampling import RowSampler, SamplingParams, min_p_filter, top_k_filter, top_p_filter
 
 
 # ---- SamplingParams.check ----------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_check_vocab_names_token_ids_outside_the_vocabulary(field, params):
     assert err.value.param == field
 
 
-# ---- processing: penalties, logit bias, min_tokens (specrl/spec/processing.py) ------------------
+# ---- processing: penalties, logit bias, min_tokens (specrl/speculation/processing.py) ------------------
 
 EOS = 1
 

@@ -7,11 +7,11 @@ other requests share the batch.
 A request with a `seed` is reproducible whatever speculation does: its randomness is a stream of
 uniforms indexed by position (`position_uniforms`, drawn once from the seed), and its token at
 position n is always the inverse-CDF draw of the target's distribution with u_n
-(`specrl.spec.verify`: drafts only decide how many of those tokens one step yields). Without a
+(`specrl.speculation.verify`: drafts only decide how many of those tokens one step yields). Without a
 seed, a row's uniforms come one after another from its generator.
 
 The distribution a row samples from (`RowSampler.probs`), in vLLM's order: the logit processing
-that depends on the request's tokens (`specrl.spec.processing`: logit bias, min_tokens,
+that depends on the request's tokens (`specrl.speculation.processing`: logit bias, min_tokens,
 repetition / frequency / presence penalties), then temperature, min_p, top_k and top_p. Greedy
 rows take the argmax after the processing (temperature, min_p, top_k and top_p leave it alone).
 top_k = 0 or -1 keeps every token (vLLM's convention).
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specrl.errors import InvalidRequestError
-from specrl.spec.processing import LogitAdjust
+from specrl.speculation.processing import LogitAdjust
 
 
 MAX_TOP_LOGPROBS = 20
@@ -123,7 +123,7 @@ class RowSampler:
     temperature [B] float32 (0 for greedy rows), top_p [B] float32, greedy [B] bool,
     generators: one torch.Generator per row. top_k [B] int64 (0: off) and min_p [B] float32
     (0: off) exist only when some sampled row uses them, `adjust` only when some row asks for the
-    token-dependent processing (specrl.spec.processing): a default batch costs what it always did.
+    token-dependent processing (specrl.speculation.processing): a default batch costs what it always did.
     """
 
     temperature: torch.Tensor

@@ -1,4 +1,4 @@
-"""The acceptance rules of a verify step (specrl/spec/verify.py) with the suffix index's drafts
+"""The acceptance rules of a verify step (specrl/speculation/verify.py) with the suffix index's drafts
 (q one-hot at the most voted token, or a draw from the vote distribution): every emitted token
 follows the target, under rejection sampling and under the coupled rule of seeded rows, also when
 the target's distributions are processed (penalties counting the drafts before each position,
@@ -8,10 +8,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specrl.spec.propose import Draft, assemble
-from specrl.spec.sampling import RowSampler, SamplingParams
-from specrl.spec.suffix_index import SuffixDraft, _draw
-from specrl.spec.verify import accept
+from specrl.speculation.propose import Draft, assemble
+from specrl.speculation.sampling import RowSampler, SamplingParams
+from specrl.speculation.suffix_index import SuffixDraft, _draw
+from specrl.speculation.verify import accept
 
 N, V = 20_000, 6
 P = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.07, 0.03],   # position 1: the draft d_1 = 0 is likely

@@ -16,8 +16,8 @@ import torch
 from specrl.kernels import inverse_cdf_sample
 from specrl.models.drafter import EagleDrafter
 from specrl.models.kv_cache import KVCache
-from specrl.spec.sampling import RowSampler
-from specrl.spec.suffix_index import SuffixDraft
+from specrl.speculation.sampling import RowSampler
+from specrl.speculation.suffix_index import SuffixDraft
 
 
 @dataclass
@@ -94,7 +94,7 @@ def propose(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: t
     slots [B] int64; start [B] int64, drafter position of each row's first pending entry;
     features [B, P, H], tokens [B, P]: pending entries (see `catch_up`), lengths [B] how many
     are real; positions [B] int64: the sequence position the first draft would fill (a seeded
-    row drafts with the uniforms of the positions it drafts for: specrl.spec.verify). The
+    row drafts with the uniforms of the positions it drafts for: specrl.speculation.verify). The
     catch-up pass yields the first draft; each further draft is one pass over the drafter's own
     predicted hidden state and the token it just drafted."""
     rows = torch.arange(len(slots))

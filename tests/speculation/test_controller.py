@@ -1,4 +1,4 @@
-"""Draft-length controller (specrl/spec/controller.py) with measured-shape costs: a target forward
+"""Draft-length controller (specrl/speculation/controller.py) with measured-shape costs: a target forward
 over T positions at B=1 costs 1.0 for T=1 and 1.6-2.0 for T=2..5; one drafter pass costs 0.1."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 
-from specrl.spec.controller import (HEAD, NONE, SUFFIX, WITHOUT_HEAD, CostModel, RowOffer, SpeculationController,
+from specrl.speculation.controller import (HEAD, NONE, SUFFIX, WITHOUT_HEAD, CostModel, RowOffer, SpeculationController,
                                    StepPlan, _non_decreasing, expected_tokens)
-from specrl.spec.suffix_acceptance import SuffixAcceptance, match_bucket
-from specrl.spec.suffix_index import SuffixDraft
+from specrl.speculation.suffix_acceptance import SuffixAcceptance, match_bucket
+from specrl.speculation.suffix_index import SuffixDraft
 
 TARGET_B1 = {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.8, 5: 2.0}
 DRAFT_B1 = 0.1

@@ -1,4 +1,4 @@
-"""The suffix drafter index (specrl/spec/suffix_index.py): exact proposals on hand-made cases, the
+"""The suffix drafter index (specrl/speculation/suffix_index.py): exact proposals on hand-made cases, the
 C core against its plain-Python twin on random and repetitive inputs, eviction, dedupe, bounds.
 
 Every hand-made case runs on both cores (`core` fixture); the C core's tests skip when the
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from specrl.spec.suffix_index import NATIVE_AVAILABLE, SuffixIndex, orders_for
+from specrl.speculation.suffix_index import NATIVE_AVAILABLE, SuffixIndex, orders_for
 
 CORES = [pytest.param(True, id="c", marks=pytest.mark.skipif(not NATIVE_AVAILABLE, reason="extension not built")),
          pytest.param(False, id="python")]

@@ -28,8 +28,8 @@ import torch
 from specrl.kernels import inverse_cdf_sample, rejection_sample
 from specrl.models.kv_cache import KVCache
 from specrl.models.llama import Llama, argmax
-from specrl.spec.propose import Draft
-from specrl.spec.sampling import RowSampler
+from specrl.speculation.propose import Draft
+from specrl.speculation.sampling import RowSampler
 
 
 @dataclass

@@ -51,8 +51,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from specrl.spec.suffix_acceptance import SuffixAcceptance
-from specrl.spec.suffix_index import SuffixDraft
+from specrl.speculation.suffix_acceptance import SuffixAcceptance
+from specrl.speculation.suffix_index import SuffixDraft
 
 HEAD, SUFFIX, NONE = "head", "suffix", ""
 # The guard's reference for the head: a step planned with the head, made again without it.

@@ -422,7 +422,7 @@ def _longest(occurrences, n_orders: int) -> tuple[int, list[int]]:
 
 
 try:
-    from specrl.spec import _suffix_index as _native
+    from specrl.speculation import _suffix_index as _native
 except ImportError:  # not built: the twin serves
     _native = None
 
@@ -450,7 +450,7 @@ class SuffixIndex:
             raise ValueError("SuffixIndex needs 0 <= capacity_tokens < 2**31, 2 <= min_match <= max_match <= 4096, "
                              "1 <= max_occurrences <= 2**20, 0 <= own_bonus <= 2**20 and dedupe_keys >= 0")
         if native and _native is None:
-            raise ImportError("specrl.spec._suffix_index is not built (pip install -e . builds it)")
+            raise ImportError("specrl.speculation._suffix_index is not built (pip install -e . builds it)")
         use_native = _native is not None if native is None else native
         core = _native.Index if use_native else _TwinIndex
         self.native = use_native

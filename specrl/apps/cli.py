@@ -1,7 +1,8 @@
 """`specrl ...`: the one command-line entry point. Errors print one line and exit non-zero.
 
 Each command is a `register(subparsers)` beside the function it runs; the flags that set a
-`Settings` field come from the field itself (`specrl.apps.flags`).
+`Settings` field come from the field itself (`specrl.apps.flags`). `specrl --help` lists the
+commands under the headings of `COMMAND_GROUPS`, one line each: the `help=` they registered with.
 """
 
 from __future__ import annotations
@@ -15,6 +16,20 @@ from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
 from specrl.errors import SpecrlError
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+DESCRIPTION = "Serve with speculative decoding, learn the drafter online, hot-swap weights."
+# `specrl --help`'s headings, in this order, and the commands under each (as vLLM's and uv's CLIs group
+# theirs). Every registered command belongs in exactly one group: tests/cli/test_help.py fails otherwise,
+# and `command_listing` shows a command missing here under "Other" rather than hiding it.
+COMMAND_GROUPS = (
+    ("Serve", ("serve", "generate")),
+    ("Run the whole loop", ("up",)),
+    ("Train", ("train-drafter",)),
+    ("RL", ("rl",)),
+    ("Evaluate", ("eval-policy",)),
+    ("Benchmark", ("bench",)),
+    ("Admin", ("admin",)),
+    ("Models", ("fetch-model", "export-drafter")),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,14 +49,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specrl.apps import bench, eval_policy, rl, up
+    from specrl.apps import admin, bench, eval_policy, rl, up
 
-    parser = argparse.ArgumentParser(prog="specrl", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(title="commands")
+    parser = argparse.ArgumentParser(prog="specrl", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Run `specrl <command> --help` for a command's flags.")
+    # argparse's own list of the commands is suppressed: the description lists them, grouped.
+    sub = parser.add_subparsers(metavar="<command>", help=argparse.SUPPRESS)
     for register in (register_fetch_model, register_generate, up.register, rl.register, eval_policy.register,
-                     register_serve, register_export_drafter, register_train_drafter, bench.register):
+                     register_serve, register_export_drafter, register_train_drafter, bench.register,
+                     admin.register):
         register(sub)
+    # Set after add_subparsers: the commands' own usage lines ("usage: specrl serve ...") derive from it.
+    parser.usage = "%(prog)s [-h] <command> ..."
+    parser.description = f"{DESCRIPTION}\n\n{command_listing(commands_of(parser))}"
     return parser
+
+
+def commands_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """The commands registered on `parser` -> the `help=` each was registered with, in that order.
+    argparse keeps a command's help only on its entry in the subparsers action."""
+    [sub] = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    return {entry.dest: entry.help for entry in sub._choices_actions}
+
+
+def command_listing(commands: dict[str, str], groups=COMMAND_GROUPS) -> str:
+    """The commands under the headings of `groups`, in its order, one line each ("  name  help");
+    commands no group names come last, under "Other"."""
+    grouped = {name for _, names in groups for name in names}
+    sections = [(heading, [n for n in names if n in commands]) for heading, names in groups]
+    sections.append(("Other", [name for name in commands if name not in grouped]))
+    width = max(map(len, commands), default=0)
+    return "\n\n".join(f"{heading}:\n" + "\n".join(f"  {name:<{width}}  {commands[name]}" for name in names)
+                       for heading, names in sections if names)
 
 
 # ---- fetch-model ------------------------------------------------------------------------------
@@ -71,7 +110,7 @@ def fetch_model(args: argparse.Namespace) -> int:
 
 # ---- generate ---------------------------------------------------------------------------------
 def register_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate with speculative decoding and print the text and stats")
+    p = sub.add_parser("generate", help="one generation with speculative decoding: text and stats")
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -38,8 +38,7 @@ CI_METHOD = "normal approximation over tasks: mean +- 1.96 * sd / sqrt(tasks); p
 
 
 def register(sub) -> None:
-    p = sub.add_parser("eval-policy", help="held-out reward, pass@1 and pass@k of policy versions side by side, "
-                                           "paired CIs")
+    p = sub.add_parser("eval-policy", help="held-out reward of policy versions side by side, paired CIs")
     add_env_flags(p)
     p.add_argument("--versions", required=True, help="comma-separated policy versions of the store; base = the model")
     p.add_argument("--tasks", type=int, default=128, help="held-out tasks (the same for every version; at most the "

@@ -70,7 +70,7 @@ SPEED_METHOD = ("final policy; the live server (drafter and suffix index, adapti
 
 
 def register(sub) -> None:
-    p = sub.add_parser("rl", help="the policy RL loop: server + rollouts + GRPO + drafter trainer; writes a report")
+    p = sub.add_parser("rl", help="policy RL: rollouts, scoring, GRPO, hot swaps; writes a report")
     add_env_flags(p)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")

@@ -36,7 +36,7 @@ from specrl.data import PromptMix
 
 
 def register(sub) -> None:
-    p = sub.add_parser("up", help="the whole loop: Redis, server, drafter trainer, demo traffic, live view, report")
+    p = sub.add_parser("up", help="the whole loop on one machine: server, trainer, demo traffic")
     p.add_argument("--demo", action="store_true", help="replay the bundled prompt mix through the API")
     p.add_argument("--duration", type=float, default=0, help="seconds to run (0: until Ctrl-C)")
     p.add_argument("--users", type=int, default=4, help="concurrent demo clients")

@@ -146,7 +146,7 @@ def test_a_drain_swap_reuses_nothing_the_old_policy_computed(make_engine, tokeni
     engine.step()
     hits = engine.stats.prefix_cache_hits
     assert hits == len(prompt) - 1  # the finished request's slot served it
-    engine.request_swap(load_swap("policy", "p2", "drain", policy_v2, engine.target))
+    engine.request_swap(load_swap("policy", "p2", "drain", policy_v2, engine.target, plan=engine.plan))
     engine.step()
     new = engine.submit(prompt, GREEDY)
     run_until_done(engine, [new])
@@ -184,7 +184,7 @@ def test_an_interrupt_recomputes_on_the_new_weights(make_engine, tokenizer, poli
     while len(seqs[0].output_ids) < 5:
         engine.step()
     queries = engine.stats.prefix_cache_queries
-    engine.request_swap(load_swap("policy", "p2", "interrupt", policy_v2, engine.target))
+    engine.request_swap(load_swap("policy", "p2", "interrupt", policy_v2, engine.target, plan=engine.plan))
     engine.step()
     prefixes = [list(s.output_ids) for s in seqs]
     run_until_done(engine, seqs)

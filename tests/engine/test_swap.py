@@ -64,7 +64,7 @@ def test_policy_drain_finishes_old_requests_on_old_weights(make_engine, tokenize
     early = [engine.submit(p, GREEDY) for p in prompts[:2]]
     engine.step()
     engine.step()
-    engine.request_swap(load_swap("policy", "p2", "drain", policy_v2, engine.target))
+    engine.request_swap(load_swap("policy", "p2", "drain", policy_v2, engine.target, plan=engine.plan))
     engine.step()
     assert engine.target_version == "p2" and set(engine.targets) == {"base", "p2"}
     late = [engine.submit(p, GREEDY) for p in prompts[2:]]
@@ -81,7 +81,7 @@ def test_policy_interrupt_recomputes_and_records_versions(make_engine, tokenizer
     seq = engine.submit(prompt, GREEDY)
     while len(seq.output_ids) < 5:
         engine.step()
-    engine.request_swap(load_swap("policy", "p2", "interrupt", policy_v2, engine.target))
+    engine.request_swap(load_swap("policy", "p2", "interrupt", policy_v2, engine.target, plan=engine.plan))
     engine.step()  # the swap lands at the end of this step
     prefix = list(seq.output_ids)
     _run(engine)

@@ -146,16 +146,21 @@ def _answer(settings: Settings, directory: Path, tokenizer, pool: ScorePool, hel
 
 
 def _generate(engine, prompts: list, params: list, what: str) -> list[str]:
-    """The engine's completions, in chunks of a few batches so that a progress bar moves."""
+    return [c.text for c in complete(engine, prompts, params, f"eval-policy {what}")]
+
+
+def complete(engine, prompts: list, params: list, what: str) -> list:
+    """The engine's completions (`Completion`s, in the prompts' order), in chunks of a few batches so
+    that a progress bar labelled `what` moves."""
     from tqdm import tqdm
 
     chunk = 4 * engine.settings.max_batch
-    texts: list[str] = []
-    with tqdm(total=len(prompts), desc=f"eval-policy {what}", unit="answer", file=sys.stderr, leave=False) as bar:
+    done: list = []
+    with tqdm(total=len(prompts), desc=what, unit="answer", file=sys.stderr, leave=False) as bar:
         for start in range(0, len(prompts), chunk):
-            texts += [c.text for c in engine.generate(prompts[start:start + chunk], params[start:start + chunk])]
+            done += engine.generate(prompts[start:start + chunk], params[start:start + chunk])
             bar.update(len(prompts[start:start + chunk]))
-    return texts
+    return done
 
 
 def table_lines(result: dict, metrics: list[str]) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from pathlib import Path
 
 from specrl.errors import InvalidRequestError
 
@@ -121,3 +122,18 @@ def add_backends_flag(parser) -> None:
                         help="comma-separated backends side by side: native,vllm (default: both when vLLM is "
                              "installed); each computes with --threads threads (here 0 = vLLM's CPU default, all "
                              "cores but one)")
+
+
+def save_report(result: dict, name: str, out_dir: str | None, home: Path, print_table, plot) -> Path:
+    """Print the table, write `<name>.json` and `<name>.png` into `out_dir` (default
+    `<home>/reports/<name>-<time>`), and print their paths -> the directory."""
+    import json
+    import time
+
+    out = Path(out_dir) if out_dir else home / "reports" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    print_table(result)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / f"{name}.png")
+    print(f"report: {out / f'{name}.json'}\nchart:  {out / f'{name}.png'}")
+    return out

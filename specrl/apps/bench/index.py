@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 def run_index_bench(settings: Settings, documents: int, doc_tokens: int, requests: int,
                     out_dir: str | None) -> dict:
     """Run the three scenarios; print a table; write bench-index.json and .png -> the result."""
-    from specrl.apps.bench.backends import machine_record
+    from specrl.apps.bench.backends import machine_record, save_report
     from specrl.speculation.suffix_index import NATIVE_AVAILABLE
 
     prompts = _prompt_tokens(settings)
@@ -83,12 +82,7 @@ def run_index_bench(settings: Settings, documents: int, doc_tokens: int, request
               "native": NATIVE_AVAILABLE, "capacity_tokens": settings.suffix_capacity, "documents": documents,
               "doc_tokens": doc_tokens, "requests": requests, "max_tokens": MAX_TOKENS,
               "min_confidence": MIN_CONFIDENCE, "scenarios": rows}
-    out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-index-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    _print_table(result)
-    (out / "bench-index.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(result, out / "bench-index.png")
-    print(f"report: {out / 'bench-index.json'}\nchart:  {out / 'bench-index.png'}")
+    save_report(result, "bench-index", out_dir, settings.home, _print_table, _plot)
     return result
 
 

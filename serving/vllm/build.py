@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from specrl.config import Settings
+from specrl.errors import InvalidRequestError
 from specrl.models.calibration import AMX_FLAGS, NATIVE_BF16_FLAGS, cpu_info, resolve_dtype
 from specrl.speculation.controller import CostModel, SpeculationController, expected_tokens
 from specrl.engine.start import DAY0, StartWeights, build_drafter, start_weights
@@ -69,6 +70,9 @@ def vllm_dtype(requested: str, flags: frozenset[str]) -> tuple[str, str]:
     wrong, measured on an AMX Xeon (amx_bf16, avx512_bf16; SmolLM2, greedy, "What is the capital of
     France?"): vLLM bfloat16 "L'Étoile, la Marseillaise,", vLLM float32 and HF transformers in
     bfloat16 and float32 "The capital of France is Paris."."""
+    if requested == "int8":
+        raise InvalidRequestError("dtype=int8 is the native engine's (its stream kernel); the vLLM backend serves "
+                                  "float32 or bfloat16: use --backend native or another --dtype")
     if requested in ("auto", "float16"):
         if all(f in flags for f in AMX_FLAGS):
             return "float32", f"dtype=float32 ({requested} on vLLM: its bfloat16 answers wrongly on AMX CPUs)"

@@ -11,8 +11,14 @@
  * multiplies each by MR broadcast x values. The weight group is read from memory by its first MR
  * rows and from L2 by any further ones, so a verify over 5 positions streams the same bytes as
  * one position; there are no horizontal sums. Weights are float32 or float16 (converted in
- * registers: half the bytes streamed; products and sums in float32), or bfloat16 in pairs of inputs
- * (below: AMX tiles or AVX512-BF16 dot products on x rounded to bf16); x and out are float32.
+ * registers: half the bytes streamed; products and sums in float32), int8 with a float32 scale per
+ * output and group of I8_GROUP inputs (symmetric: each weight vector converted in registers and
+ * multiplied by its group's scales before the FMAs; 1.125 bytes a weight), or bfloat16 in pairs of
+ * inputs (below: AMX tiles or AVX512-BF16 dot products on x rounded to bf16); x and out are float32.
+ *
+ * int8 blocks carry their scales inline: block b is K rows of 16 int8 (one per output), then K / 32
+ * groups' 16 float32 scales (64 bytes, 4 rows of 16 int8 each), so a block is one stream of
+ * (K + K / 8) x 16 bytes and the weight one buffer [N / 16, K + K / 8, 16] int8 (K a multiple of 32).
  *
  * Paths, chosen at run time from the CPU: AVX-512F (16 lanes, 6 rows x 4 vectors; 12 rows x 2
  * vectors for chunks of 7-12 rows), AVX2 + FMA + F16C (8 lanes, 6 rows x 2 vectors), and portable C;
@@ -59,7 +65,21 @@
  * forward at 1 row and 19.6 against 22.5 at 5 (median of 8, side by side; 128 and 256 ahead no better). */
 #define PF_AHEAD 64
 
-enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_I8 = 3 };
+#define I8_GROUP 32 /* int8 inputs sharing one scale per output */
+#define I8_SCALE_ROWS 4 /* a group's 16 float32 scales: 64 bytes, 4 rows of 16 int8 */
+
+/* Elements from one column block's start to the next's: K inputs, and an int8 block's scale rows. */
+static inline int64_t block_stride(int64_t K, int kind) {
+    return kind == W_I8 ? K + K / I8_GROUP * I8_SCALE_ROWS : K;
+}
+
+/* The 16 float32 scales of int8 block b for input k's group (after the block's K rows). */
+static inline const float *i8_scales(const void *w, int64_t b, int64_t K, int64_t k) {
+    return (const float *)((const int8_t *)w + ((size_t)b * block_stride(K, W_I8) + K) * BLOCK) + (k / I8_GROUP) * BLOCK;
+}
+
+static inline size_t weight_bytes(int kind) { return kind == W_F32 ? 4 : kind == W_I8 ? 1 : 2; }
 /* gemm's path: the best the CPU has; portable C; bfloat16 on AVX512-BF16 even where AMX is there
  * (the last two for tests). One path for every row count: AMX and AVX512-BF16 sum in different
  * orders (7e-7 apart on [3072, 576]), and a verify must compute each row as a decode step does,
@@ -88,17 +108,28 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
+static inline float weight_at(const void *w, size_t at, int kind) {
+    if (kind == W_F32) return ((const float *)w)[at];
+    if (kind == W_I8) return (float)((const int8_t *)w)[at];
+    return half_to_float(((const uint16_t *)w)[at]);
+}
+
 /* Column blocks [b0, b1) for every x row. */
 static void blocks_portable(const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N,
                             int64_t b0, int64_t b1, int kind) {
+    const int64_t KS = block_stride(K, kind);
     for (int64_t b = b0; b < b1; b++) {
         for (int64_t m = 0; m < M; m++) {
             float acc[BLOCK] = {0};
-            for (int64_t k = 0; k < K; k++) {
-                float xv = x[m * K + k];
-                size_t at = ((size_t)b * K + k) * BLOCK;
-                for (int j = 0; j < BLOCK; j++)
-                    acc[j] += xv * (kind == W_F32 ? ((const float *)w)[at + j] : half_to_float(((const uint16_t *)w)[at + j]));
+            const int64_t span = kind == W_I8 ? I8_GROUP : K; /* as the vector tiles: int8 sums a group, then scales */
+            for (int64_t k0 = 0; k0 < K; k0 += span) {
+                float part[BLOCK] = {0};
+                for (int64_t k = k0; k < k0 + span; k++) {
+                    float xv = x[m * K + k];
+                    size_t at = ((size_t)b * KS + k) * BLOCK;
+                    for (int j = 0; j < BLOCK; j++) part[j] += xv * weight_at(w, at + j, kind);
+                }
+                for (int j = 0; j < BLOCK; j++) acc[j] += kind == W_I8 ? part[j] * i8_scales(w, b, K, k0)[j] : part[j];
             }
             memcpy(out + m * N + b * BLOCK, acc, sizeof acc);
         }
@@ -109,36 +140,57 @@ static void blocks_portable(const float *x, const void *w, float *out, int64_t M
 
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 load8(const void *w, size_t i, int kind) {
     if (kind == W_F32) return _mm256_loadu_ps((const float *)w + i);
+    if (kind == W_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + i))));
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
 }
 
 __attribute__((target("avx512f"))) static inline __m512 load16(const void *w, size_t i, int kind) {
     if (kind == W_F32) return _mm512_loadu_ps((const float *)w + i);
+    if (kind == W_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i))));
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i)));
 }
 
 /* vector v (of NV) of a group at column block b0, input k: block b0 + v*LANES/BLOCK, lane offset
- * (v*LANES) % BLOCK. */
-#define AT(b0, v, k, LANES) ((((size_t)(b0) + (size_t)(v) * (LANES) / BLOCK) * K + (k)) * BLOCK + ((v) * (LANES)) % BLOCK)
+ * (v*LANES) % BLOCK; blocks KS elements apart (block_stride). */
+#define AT(b0, v, k, LANES) ((((size_t)(b0) + (size_t)(v) * (LANES) / BLOCK) * KS + (k)) * BLOCK + ((v) * (LANES)) % BLOCK)
 
 /* One tile: MRV rows (compile time, so the MRV x NV accumulators live in registers) from row m0,
- * against the NV * LANES outputs from column block b0. */
-#define TILE(NAME, ISA, VEC, LANES, NV, LOAD, FMA, ZERO, BCAST, STORE, MRV)                                    \
+ * against the NV * LANES outputs from column block b0. int8 weights sum each group of I8_GROUP inputs
+ * in `part`, then add it times the group's scales to `acc` (touched once a group: it may live in L1);
+ * other kinds run one span of K, which `acc` takes as it is. Every row of a tile takes the same steps
+ * in the same order whatever MRV, so a row sums alike in a decode step and in a verify. */
+#define TILE(NAME, ISA, VEC, LANES, NV, LOAD, FMA, ZERO, BCAST, STORE, LOADF, MRV)                             \
     __attribute__((target(ISA))) static void tile_##NAME##_##MRV(const float *x, const void *w, float *out,   \
                                                                   int64_t K, int64_t N, int64_t m0,            \
                                                                   int64_t b0, int kind) {                      \
         VEC acc[MRV][NV];                                                                                      \
         for (int i = 0; i < MRV; i++)                                                                          \
             for (int v = 0; v < NV; v++) acc[i][v] = ZERO();                                                  \
-        const size_t esize = kind == W_F32 ? 4 : 2;                                                            \
-        for (int64_t k = 0; k < K; k++) {                                                                      \
-            VEC wv[NV];                                                                                        \
-            for (int v = 0; v < NV; v += BLOCK / (LANES))                                                     \
-                _mm_prefetch((const char *)w + (AT(b0, v, k, LANES) + PF_AHEAD * BLOCK) * esize, _MM_HINT_T0);  \
-            for (int v = 0; v < NV; v++) wv[v] = LOAD(w, AT(b0, v, k, LANES), kind);                           \
-            for (int i = 0; i < MRV; i++) {                                                                    \
-                VEC xv = BCAST(x[(m0 + i) * K + k]);                                                           \
-                for (int v = 0; v < NV; v++) acc[i][v] = FMA(xv, wv[v], acc[i][v]);                            \
+        const size_t esize = weight_bytes(kind);                                                               \
+        const int64_t KS = block_stride(K, kind), span = kind == W_I8 ? I8_GROUP : K;                          \
+        const int64_t ahead = esize > 1 ? PF_AHEAD : 2 * PF_AHEAD; /* 2 KB ahead for int8, as for float16 */  \
+        for (int64_t k0 = 0; k0 < K; k0 += span) {                                                             \
+            VEC part[MRV][NV];                                                                                 \
+            for (int i = 0; i < MRV; i++)                                                                      \
+                for (int v = 0; v < NV; v++) part[i][v] = ZERO();                                             \
+            for (int64_t k = k0; k < k0 + span; k++) {                                                         \
+                VEC wv[NV];                                                                                    \
+                if (esize > 1 || (k & 3) == 0) /* int8: one 64-byte line holds 4 inputs of a block */           \
+                    for (int v = 0; v < NV; v += BLOCK / (LANES))                                             \
+                        _mm_prefetch((const char *)w + (AT(b0, v, k, LANES) + ahead * BLOCK) * esize, _MM_HINT_T0); \
+                for (int v = 0; v < NV; v++) wv[v] = LOAD(w, AT(b0, v, k, LANES), kind);                       \
+                for (int i = 0; i < MRV; i++) {                                                                \
+                    VEC xv = BCAST(x[(m0 + i) * K + k]);                                                       \
+                    for (int v = 0; v < NV; v++) part[i][v] = FMA(xv, wv[v], part[i][v]);                      \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int v = 0; v < NV; v++) {                                                                     \
+                if (kind != W_I8) {                                                                            \
+                    for (int i = 0; i < MRV; i++) acc[i][v] = part[i][v];                                      \
+                    continue;                                                                                  \
+                }                                                                                              \
+                const VEC s = LOADF(i8_scales(w, b0 + v * (LANES) / BLOCK, K, k0) + (v * (LANES)) % BLOCK);   \
+                for (int i = 0; i < MRV; i++) acc[i][v] = FMA(part[i][v], s, acc[i][v]);                         \
             }                                                                                                  \
         }                                                                                                      \
         for (int i = 0; i < MRV; i++)                                                                          \
@@ -162,7 +214,8 @@ typedef void (*tile_fn)(const float *, const void *, float *, int64_t, int64_t, 
     }
 
 #define AVX2 "avx2,fma,f16c"
-#define AVX2_TILE(MRV) TILE(avx2, AVX2, __m256, 8, 2, load8, _mm256_fmadd_ps, _mm256_setzero_ps, _mm256_set1_ps, _mm256_storeu_ps, MRV)
+#define AVX2_TILE(MRV) TILE(avx2, AVX2, __m256, 8, 2, load8, _mm256_fmadd_ps, _mm256_setzero_ps, _mm256_set1_ps, _mm256_storeu_ps, \
+                            _mm256_loadu_ps, MRV)
 AVX2_TILE(1) AVX2_TILE(2) AVX2_TILE(3) AVX2_TILE(4) AVX2_TILE(5) AVX2_TILE(6)
 static const tile_fn avx2_tiles[] = {NULL, tile_avx2_1, tile_avx2_2, tile_avx2_3, tile_avx2_4, tile_avx2_5, tile_avx2_6};
 BLOCKS(avx2, AVX2, 8, 2, 6, avx2_tiles) /* 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of 16 registers */
@@ -170,11 +223,13 @@ BLOCKS(avx2, AVX2, 8, 2, 6, avx2_tiles) /* 6 x 2 accumulators + 2 weight vectors
 #define AVX512 "avx512f"
 /* 6 x 4 accumulators + 4 weight vectors + 1 broadcast: 29 of 32 registers. (8 x 3 measured the same
  * at 8 rows and slower at 1-5 on [3072, 576], a layer's largest weight.) */
-#define AVX512_TILE(MRV) TILE(avx512, AVX512, __m512, 16, 4, load16, _mm512_fmadd_ps, _mm512_setzero_ps, _mm512_set1_ps, _mm512_storeu_ps, MRV)
+#define AVX512_TILE(MRV) TILE(avx512, AVX512, __m512, 16, 4, load16, _mm512_fmadd_ps, _mm512_setzero_ps, _mm512_set1_ps, \
+                              _mm512_storeu_ps, _mm512_loadu_ps, MRV)
 AVX512_TILE(1) AVX512_TILE(2) AVX512_TILE(3) AVX512_TILE(4) AVX512_TILE(5) AVX512_TILE(6)
 /* 7-12 rows: 12 x 2 accumulators + 2 weight vectors + 1 broadcast: 27 of 32 registers, over a group's two
  * halves (see WIDE_ROWS). */
-#define AVX512_WIDE_TILE(MRV) TILE(avx512w, AVX512, __m512, 16, 2, load16, _mm512_fmadd_ps, _mm512_setzero_ps, _mm512_set1_ps, _mm512_storeu_ps, MRV)
+#define AVX512_WIDE_TILE(MRV) TILE(avx512w, AVX512, __m512, 16, 2, load16, _mm512_fmadd_ps, _mm512_setzero_ps, \
+                                   _mm512_set1_ps, _mm512_storeu_ps, _mm512_loadu_ps, MRV)
 AVX512_WIDE_TILE(7) AVX512_WIDE_TILE(8) AVX512_WIDE_TILE(9) AVX512_WIDE_TILE(10) AVX512_WIDE_TILE(11)
 AVX512_WIDE_TILE(12)
 /* up to 6 rows over four blocks; 7-12 rows over two (chunk_rows) */
@@ -431,10 +486,10 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     long long M, K, N;
     int kind, threads, path = PATH_BEST;
     if (!PyArg_ParseTuple(args, "KKKLLLii|i", &out, &x, &w, &M, &K, &N, &kind, &threads, &path)) return NULL;
-    if (M < 0 || K < 1 || N < 0 || N % BLOCK || kind < W_F32 || kind > W_BF16 || (kind == W_BF16 && K % 2) ||
-        threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "gemm: N must be a multiple of 16, K >= 1 (even for bfloat16), kind 0, 1 "
-                                          "or 2, threads >= 1");
+    if (M < 0 || K < 1 || N < 0 || N % BLOCK || kind < W_F32 || kind > W_I8 || (kind == W_BF16 && K % 2) ||
+        (kind == W_I8 && K % I8_GROUP) || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "gemm: N must be a multiple of 16, K >= 1 (even for bfloat16, a multiple of "
+                                          "32 for int8), kind 0, 1, 2 or 3, threads >= 1");
         return NULL;
     }
     int status;
@@ -914,7 +969,8 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
                           &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads))
         return NULL;
     if (!attend_shape_ok(N, T, nh, kvh, d, max_len, threads) || H % BLOCK || Wq % BLOCK || (2 * I) % BLOCK ||
-        Wq != (nh + 2 * kvh) * d || kind < W_F32 || kind > W_BF16 || (kind == W_BF16 && (H % 2 || I % 2 || d % 2))) {
+        Wq != (nh + 2 * kvh) * d || kind < W_F32 || kind > W_I8 || (kind == W_I8 && (H % I8_GROUP || I % I8_GROUP ||
+        (nh * d) % I8_GROUP)) || (kind == W_BF16 && (H % 2 || I % 2 || d % 2))) {
         PyErr_SetString(PyExc_ValueError, "layer: shapes the stream kernel and attend cannot take");
         return NULL;
     }
@@ -970,7 +1026,8 @@ static PyObject *py_release_threads(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS,
      "gemm(out_ptr, x_ptr, w_ptr, M, K, N, kind, threads, path=0): out[M,N] = x[M,K] @ W^T, W blocked "
-     "[N/16, K, 16] (kind 0: float32, 1: float16) or [N/16, K/2, 16, 2] (kind 2: bfloat16); path: 0 the best the CPU has, 1 "
+     "[N/16, K, 16] (kind 0: float32, 1: float16), [N/16, K/2, 16, 2] (kind 2: bfloat16) or [N/16, K+K/8, 16] (kind 3: int8, "
+     "each block's float32 scales per group of 32 inputs after its K rows); path: 0 the best the CPU has, 1 "
      "portable C (tests), 2 bfloat16 without AMX"},
     {"path", py_path, METH_VARARGS, "path(N, kind=0, K=32) -> the instruction set used for N outputs (of K inputs)"},
     {"attend", py_attend, METH_VARARGS,

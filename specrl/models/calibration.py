@@ -21,7 +21,8 @@ nothing stays cached between two uses of one weight). The fastest of a few calls
 only ever add time.
 
 Measurements are cached in `<directory>/linears-<dtype>-<threads>t.json` under a key (CPU
-model, the flags that matter, torch version, torch threads, dtype, this module's schema): a
+model, the flags that matter, torch version, torch threads, dtype, whether the stream kernel is
+built, this module's schema): a
 restart reads them back; a file with another key (another machine or torch) is measured again
 and overwritten. One file per thread count, so processes calibrated with different thread
 counts (a 1-thread benchmark beside a 2-thread server) do not overwrite each other's.
@@ -39,12 +40,15 @@ from pathlib import Path
 
 import torch
 
-from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for
+from specrl.errors import InvalidRequestError
+from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for, cpu_kernels
+from specrl.models.quantize import Int8Weight
 
 SCHEMA = 3  # 2: two passes per measurement; 3: the stream kernel's 12 x 2 tiles for 7-12 rows
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 136, 512)
 HEAD_BUCKETS = tuple(b for b in BUCKETS if b <= 48)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # the weights' dtype
+# the weights' formats (activations are float32 in every one)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 STREAM_FLAGS = ("avx2", "fma", "f16c")  # the stream kernel's vector path (AVX-512F is a superset here)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
@@ -67,7 +71,7 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 
 
 def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[torch.dtype, str]:
-    """"auto" | "float32" | "float16" | "bfloat16" -> (the weights' dtype, a one-line reason).
+    """"auto" | "float32" | "float16" | "bfloat16" | "int8" -> (the weights' dtype, a one-line reason).
 
     Half-precision weights halve the bytes a decode step streams; activations, norms, KV cache and
     sums stay float32 either way (`Calibration.dtype`). float16 weights keep 10 mantissa bits and are
@@ -82,9 +86,19 @@ def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[tor
     an AVX-512 EPYC with avx512_bf16, 44.6 GB/s, 2 threads, `specrl bench engine`, SmolLM2 plain
     decoding: bfloat16 133 / 680 tok/s at B=1 / 8, float16 98 / 553, float32 66 / 465). Else float16
     where the CPU has the stream kernel's vector path (AVX2 + FMA + F16C): half the bytes, converted
-    in registers, measured faster than float32. Else float32."""
+    in registers, measured faster than float32. Else float32.
+
+    int8 (symmetric per output channel, `specrl.models.quantize`) is never auto's pick: it changes the
+    model's outputs (measured by `specrl bench quality`), so it is asked for. It needs the stream
+    kernel (InvalidRequestError where it is not built)."""
     if requested not in ("auto", *DTYPES):
-        raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {requested!r}")
+        raise InvalidRequestError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {requested!r}")
+    if requested == "int8":
+        if cpu_kernels is None:
+            raise InvalidRequestError("dtype=int8 needs the stream kernel (specrl.models._cpu_kernels), which is not "
+                                      "built here: pip install -e . builds it")
+        return torch.int8, ("dtype=int8 (requested: int8 weights, a float32 scale per output and group of 32 inputs, "
+                            "float32 activations)")
     if requested == "auto":
         if all(f in flags for f in AMX_FLAGS):
             return torch.bfloat16, "dtype=bfloat16 (auto: bfloat16 weights on AMX tiles, float32 activations; " \
@@ -162,7 +176,8 @@ class Calibration:
         torch_dtype, reason = resolve_dtype(dtype, flags)
         name = next(k for k, v in DTYPES.items() if v == torch_dtype)
         key = {"schema": SCHEMA, "cpu": model, "flags": sorted(flags & set(KEY_FLAGS)), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "dtype": name, "buckets": list(BUCKETS), "calls": sorted(CALLS)}
+               "threads": torch.get_num_threads(), "dtype": name, "buckets": list(BUCKETS), "calls": sorted(CALLS),
+               "stream_kernel": cpu_kernels is not None}
         path = Path(directory) / f"linears-{name}-{torch.get_num_threads()}t.json"
         shapes = {}
         if path.is_file():
@@ -187,7 +202,7 @@ class Calibration:
         if self._reference is not None:
             ref = self._reference.choose(tuple(weight.shape), head=head, tied=tied)
             self._cost[1] += ref.expected_ms[ref.storage]
-        return PackedLinear(weight.to(self.weight_dtype), choice.storage, choice.buckets, choice.calls)
+        return PackedLinear(convert(weight, self.weight_dtype), choice.storage, choice.buckets, choice.calls)
 
     def choose(self, shape: tuple[int, int], *, head: bool = False, tied: bool = False) -> Choice:
         buckets = HEAD_BUCKETS if head else BUCKETS
@@ -247,6 +262,11 @@ class Calibration:
         tmp.replace(self.path)
 
 
+def convert(weight: torch.Tensor, dtype: torch.dtype) -> "torch.Tensor | Int8Weight":
+    """weight [OUT, IN] (any float dtype) -> in the weights' format `dtype` (int8: quantized)."""
+    return Int8Weight.from_float(weight) if dtype == torch.int8 else weight.to(dtype)
+
+
 def return_freed_memory() -> bool:
     """Hand the heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing):
     -> whether it could. Why: glibc's mmap threshold rises to 32 MB as large blocks are freed, so
@@ -301,7 +321,10 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
     nbytes = out_features * in_features * torch.empty(0, dtype=dtype).element_size()
     copies = ring_copies(nbytes, l3_bytes())
     gen = torch.Generator().manual_seed(0)
-    base = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.02)  # one tensor of the dtype, no fp32 temporary
+    if dtype == torch.int8:
+        base = Int8Weight.from_float(torch.randn(shape, generator=gen).mul_(0.02))
+    else:
+        base = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.02)  # one tensor of the dtype, no fp32 temporary
     x_dtype = dtype if x_dtype is None else x_dtype
     inputs = [torch.randn(rows, in_features, generator=gen).to(x_dtype) for rows in buckets]
     result: dict[str, dict[str, list]] = {}

@@ -15,7 +15,9 @@ Storages (`STORAGES`): `plain` [OUT, IN] (the checkpoint's), `transposed` [IN, O
 contiguous, `onednn` (oneDNN's blocked layout, an opaque mkldnn tensor: no row access), and
 `blocked` [OUT/16, IN, 16] (16 outputs per contiguous stream: the layout of the `stream` call,
 our own kernel in `_cpu_kernels.c`, which reads the weight once for all rows and holds float32,
-float16 or bfloat16 weights; bfloat16 in pairs of inputs, for AMX tiles and AVX512-BF16). Calls
+float16, bfloat16 or int8 weights; bfloat16 in pairs of inputs, for AMX tiles and AVX512-BF16; int8
+as [OUT/16, IN + IN/8, 16], each block's float32 scales per group of 32 inputs after its IN rows:
+`specrl.models.quantize`). Calls
 (`CALLS`) take x2 [M, IN] row-major and return [M, OUT] row-major, in the weight's dtype (float32 or
 bfloat16; the libraries accumulate bf16 products in float32), except the "mixed" calls, which take
 half-precision (float16 or bfloat16) weights with float32 x2 and return float32: a served model keeps
@@ -45,6 +47,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from specrl.models.quantize import GROUP, Int8Weight
 
 try:
     from specrl.models import _cpu_kernels as cpu_kernels
@@ -91,13 +95,18 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, SMALL_M)
 
 
-def _blocked_pack(w: torch.Tensor) -> torch.Tensor:
+def _blocked_pack(w: "torch.Tensor | Int8Weight") -> torch.Tensor:
     """[OUT, IN] -> [ceil(OUT/16), IN, 16] float32/float16, or [ceil(OUT/16), IN/2, 16, 2] bfloat16
-    (pairs of inputs: the rows of AVX512-BF16's dot product and of AMX's B tiles); OUT padded with
-    zero rows. RuntimeError where the kernel cannot serve it (the calibration then leaves the storage
-    out for this weight)."""
+    (pairs of inputs: the rows of AVX512-BF16's dot product and of AMX's B tiles), or for an
+    Int8Weight [ceil(OUT/16), IN + IN/8, 16] int8 (each block's scales after its IN rows); OUT padded
+    with zero rows. RuntimeError where the kernel cannot serve it (the calibration then leaves the
+    storage out for this weight)."""
     if cpu_kernels is None:
         raise RuntimeError("the stream kernel (specrl.models._cpu_kernels) is not built")
+    if isinstance(w, Int8Weight):
+        return _blocked_pack_int8(w)
+    if w.dtype == torch.int8:
+        raise RuntimeError("int8 weights are packed from an Int8Weight (its values and scales), not a bare int8 tensor")
     if w.dtype not in KIND:
         raise RuntimeError(f"the stream kernel takes float32, float16 or bfloat16 weights, not {w.dtype}")
     out_features, in_features = w.shape
@@ -111,7 +120,34 @@ def _blocked_pack(w: torch.Tensor) -> torch.Tensor:
     return w.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
 
 
+I8_SCALE_ROWS = 4  # a group's 16 float32 scales: 64 bytes, 4 rows of 16 int8
+
+
+def _blocked_pack_int8(w: Int8Weight) -> torch.Tensor:
+    out_features, in_features = w.shape
+    q, scale = w.q, w.scale
+    padded = -(-out_features // BLOCK) * BLOCK
+    if padded != out_features:
+        q = torch.cat([q, q.new_zeros(padded - out_features, in_features)])
+        scale = torch.cat([scale, scale.new_ones(padded - out_features, scale.shape[1])])
+    blocks = q.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2)  # [OUT/16, IN, 16]
+    groups = scale.shape[1]
+    scales = scale.view(padded // BLOCK, BLOCK, groups).transpose(1, 2).contiguous()  # [OUT/16, IN/32, 16]
+    return torch.cat([blocks, scales.view(torch.int8).view(-1, groups * I8_SCALE_ROWS, BLOCK)], dim=1).contiguous()
+
+
+def _int8_parts(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 blocked storage (or some of its blocks) -> (q [B, IN, 16] int8, scales per input [B, IN, 16]
+    float32)."""
+    in_features = _blocked_in_features(s)
+    scales = s[:, in_features:].contiguous().view(torch.float32).reshape(s.shape[0], -1, BLOCK)
+    return s[:, :in_features], scales.repeat_interleave(GROUP, dim=1)
+
+
 def _blocked_unpack(s: torch.Tensor) -> torch.Tensor:
+    if s.dtype == torch.int8:  # dequantized: float32
+        q, scales = _int8_parts(s)
+        return (q.float() * scales).transpose(1, 2).reshape(s.shape[0] * BLOCK, q.shape[1])
     if s.dim() == 4:  # bfloat16 pairs
         return s.permute(0, 2, 1, 3).reshape(s.shape[0] * BLOCK, s.shape[1] * 2)
     return s.transpose(1, 2).reshape(s.shape[0] * BLOCK, s.shape[1])
@@ -119,12 +155,18 @@ def _blocked_unpack(s: torch.Tensor) -> torch.Tensor:
 
 def _blocked_rows(s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     block, lane = torch.div(ids, BLOCK, rounding_mode="floor"), ids % BLOCK
+    if s.dtype == torch.int8:  # dequantized rows: float32 [N, IN], from the N rows' blocks only (an embedding lookup)
+        q, scales = _int8_parts(s[block])
+        rows = torch.arange(len(ids))
+        return q[rows, :, lane].float() * scales[rows, :, lane]
     if s.dim() == 4:  # bfloat16 pairs: [N, IN/2, 2] -> [N, IN]
         return s[block, :, lane].reshape(len(ids), -1)
     return s[block, :, lane]
 
 
 def _blocked_in_features(s: torch.Tensor) -> int:
+    if s.dtype == torch.int8:  # IN rows, then IN / GROUP groups of I8_SCALE_ROWS rows
+        return s.shape[1] * GROUP // (GROUP + I8_SCALE_ROWS)
     return s.shape[1] * 2 if s.dim() == 4 else s.shape[1]
 
 
@@ -137,7 +179,7 @@ STORAGES = {
 }
 
 
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+F32, F16, BF16, I8 = torch.float32, torch.float16, torch.bfloat16, torch.int8
 SAME = ((F32, F32), (BF16, BF16))  # x2 in the weight's dtype: what the libraries' calls take
 HALF = ((F16, F32), (BF16, F32))  # half-precision weights with float32 x2: the "mixed" calls
 
@@ -164,9 +206,10 @@ def _onednn(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _stream(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x2 [M, IN] float32 contiguous, w blocked (`_blocked_pack`) float32/float16/bfloat16 -> [M, OUT]
+    """x2 [M, IN] float32 contiguous, w blocked (`_blocked_pack`) float32/float16/bfloat16/int8 -> [M, OUT]
     float32 (OUT padded to a multiple of 16: PackedLinear cuts the padding off). bfloat16 weights
-    multiply x rounded to bfloat16 (AMX, else AVX512-BF16), products summed in float32."""
+    multiply x rounded to bfloat16 (AMX, else AVX512-BF16), products summed in float32; int8 weights
+    are converted in registers and each output's sum scaled once."""
     rows, in_features = x2.shape
     if x2.dtype != torch.float32 or _blocked_in_features(w) != in_features:
         raise ValueError(f"stream: x {list(x2.shape)} {x2.dtype} does not fit a blocked {list(w.shape)} weight")
@@ -184,10 +227,10 @@ CALLS = {c.name: c for c in [
     Call("x@Wt", "transposed", lambda x2, wt: x2 @ wt),
     Call("mv Wt", "transposed", lambda x2, wt: torch.mv(wt.t(), x2[0])[None], max_rows=1),
     Call("onednn", "onednn", _onednn),
-    Call("stream", "blocked", _stream, dtypes=((F32, F32), (F16, F32)) + ((BF16, F32),) * NATIVE_BF16),
+    Call("stream", "blocked", _stream, dtypes=((F32, F32), (F16, F32), (I8, F32)) + ((BF16, F32),) * NATIVE_BF16),
     Call("upcast", "plain", lambda x2, w: F.linear(x2, w.to(x2.dtype)), dtypes=HALF),  # odd shapes
 ]}
-KIND = {F32: 0, F16: 1, BF16: 2}  # the stream kernel's weight kinds
+KIND = {F32: 0, F16: 1, BF16: 2, I8: 3}  # the stream kernel's weight kinds
 
 
 def calls_for(storage: str, rows: int, weight_dtype: torch.dtype = F32, x_dtype: torch.dtype | None = None) -> list[Call]:
@@ -203,13 +246,14 @@ class PackedLinear:
     `buckets` (ascending row counts) and `calls` (a call name per bucket): rows M use the call of
     the smallest bucket >= M (the last bucket's above it)."""
 
-    def __init__(self, weight: torch.Tensor, storage: str, buckets: tuple[int, ...], calls: tuple[str, ...]):
-        """weight [OUT, IN] plain; the PackedLinear keeps the packed copy only."""
+    def __init__(self, weight: "torch.Tensor | Int8Weight", storage: str, buckets: tuple[int, ...],
+                 calls: tuple[str, ...]):
+        """weight [OUT, IN] plain (or quantized); the PackedLinear keeps the packed copy only."""
         if any(CALLS[c].storage != storage for c in calls):
             raise ValueError(f"calls {calls} do not all work from storage {storage!r}")
         self.shape, self.dtype, self.storage = tuple(weight.shape), weight.dtype, storage
         self.out_features, self.in_features = self.shape
-        self.stored = STORAGES[storage].pack(weight.detach().contiguous())
+        self.stored = STORAGES[storage].pack(weight if isinstance(weight, Int8Weight) else weight.detach().contiguous())
         self.calls = dict(zip(buckets, calls))
         self._by_rows: list[Callable] = []
         for rows in range(MAX_ROWS + 1):
@@ -232,7 +276,8 @@ class PackedLinear:
         return self._by_rows[min(rows, MAX_ROWS)] is _stream and self.out_features % BLOCK == 0
 
     def plain(self) -> torch.Tensor:
-        """-> [OUT, IN]: the weight in the checkpoint's layout (a copy for a packed storage)."""
+        """-> [OUT, IN]: the weight in the checkpoint's layout (a copy for a packed storage; float32
+        dequantized for int8)."""
         return STORAGES[self.storage].unpack(self.stored)[: self.out_features]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -71,11 +71,14 @@ def assert_prefixes_follow(completions, law: dict[tuple[int, ...], float]) -> No
     assert_follows(torch.tensor([index[cell[s]] for s in seen]), probs, f"first {length} tokens")
 
 
-@pytest.mark.parametrize("fixed_k", [1, 3, -1])  # -1: the adaptive controller
-def test_greedy_speculation_equals_plain_greedy_tiny(make_engine, tokenizer, fixed_k):
+# -1: the adaptive controller; int8: the target actually served is the quantized one, and speculation is exact
+# against it (the plain engine quantizes the same way)
+@pytest.mark.parametrize("fixed_k, dtype", [(1, "auto"), (3, "auto"), (-1, "auto"), (3, "int8"), (-1, "int8")])
+def test_greedy_speculation_equals_plain_greedy_tiny(make_engine, tokenizer, fixed_k, dtype):
     prompts = chat_prompts(tokenizer, 10)
-    plain = make_engine(drafter="none", max_batch=4).generate(prompts, GREEDY)
-    spec_engine = make_engine(max_batch=4, fixed_draft_tokens=fixed_k, max_draft_tokens=4)
+    plain = make_engine(drafter="none", max_batch=4, dtype=dtype).generate(prompts, GREEDY)
+    spec_engine = make_engine(max_batch=4, fixed_draft_tokens=fixed_k, max_draft_tokens=4, dtype=dtype)
+    assert (spec_engine.target.layers[0].qkv.dtype == torch.int8) == (dtype == "int8")
     spec = spec_engine.generate(prompts, GREEDY)
     assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
     if fixed_k > 0:  # the speculative path really ran, and accepted some drafts
@@ -92,25 +95,27 @@ def test_greedy_speculation_equals_plain_greedy_smollm2(make_engine, tokenizer):
     assert sum(c.spec.num_draft_tokens for c in spec) > 0
 
 
-def test_sampled_tokens_follow_the_target_distribution(make_engine, tokenizer):
+@pytest.mark.parametrize("dtype", ["auto", "int8"])  # int8: the law of the quantized target, the one served
+def test_sampled_tokens_follow_the_target_distribution(make_engine, tokenizer, dtype):
     """The token drawn by the verify step (accepted draft or recovered token) follows the target's
     distribution: the first two tokens against their exact law, chi-square, reject at p < 1e-3.
     top_p keeps the support small enough for the test to have power."""
     [prompt] = chat_prompts(tokenizer, 1)
     n = 1500
     params = [SamplingParams(max_tokens=3, temperature=0.5, top_p=0.05, seed=i, ignore_eos=True) for i in range(n)]
-    spec_engine = make_engine(max_batch=8, fixed_draft_tokens=1)
+    spec_engine = make_engine(max_batch=8, fixed_draft_tokens=1, dtype=dtype)
     spec = spec_engine.generate([prompt] * n, params)
     accepted = sum(c.spec.num_accepted_tokens for c in spec)
     assert 0 < accepted < sum(c.spec.num_draft_tokens for c in spec), "both accept and reject paths must be exercised"
     assert_prefixes_follow(spec, prefix_law(spec_engine, prompt, params[0], 2))
 
 
-@pytest.mark.parametrize("drafter", ["none", "day0"])  # the suffix index alone, and beside the head
-def test_greedy_with_the_suffix_index_equals_plain_greedy(make_engine, tokenizer, drafter):
+# the suffix index alone, and beside the head; int8 weights with both
+@pytest.mark.parametrize("drafter, dtype", [("none", "auto"), ("day0", "auto"), ("day0", "int8")])
+def test_greedy_with_the_suffix_index_equals_plain_greedy(make_engine, tokenizer, drafter, dtype):
     prompts = chat_prompts(tokenizer, 6) * 2  # the second round finds the first in the index
-    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=4).generate(prompts, GREEDY)
-    engine = make_engine(drafter=drafter, max_batch=4, max_draft_tokens=4)
+    plain = make_engine(drafter="none", suffix_capacity=0, max_batch=4, dtype=dtype).generate(prompts, GREEDY)
+    engine = make_engine(drafter=drafter, max_batch=4, max_draft_tokens=4, dtype=dtype)
     spec = engine.generate(prompts, GREEDY)
     assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
     suffix = engine.stats.by_proposer["suffix"]

@@ -118,3 +118,36 @@ def test_mismatched_policy_is_refused_before_the_engine_sees_it(make_engine, pol
     with pytest.raises(SwapError, match="cannot load"):
         load_swap("policy", "p3", "drain", truncated, engine.target)
     assert engine.target_version == "base"
+
+
+def test_a_float32_policy_swaps_into_an_int8_engine_quantized_at_load(make_engine, tokenizer, policy_v2, tmp_path):
+    """The trainer publishes float32; an int8 server quantizes it while loading (off the decode path), serves
+    it in int8 from the swap on, under the published version; a policy it cannot quantize (NaN) is refused
+    with the old weights serving."""
+    [prompt] = chat_prompts(tokenizer, 1)
+    engine = make_engine(drafter="none", suffix_capacity=0, dtype="int8")  # one token a step: the swap lands mid-answer
+    seq = engine.submit(prompt, GREEDY)
+    while len(seq.output_ids) < 5:
+        engine.step()
+    swap = load_swap("policy", "p2", "interrupt", policy_v2, engine.target, plan=engine.plan)
+    assert swap.model.layers[0].qkv.dtype == torch.int8 and swap.model.lm_head.dtype == torch.int8
+    engine.request_swap(swap)
+    engine.step()
+    prefix = list(seq.output_ids)
+    _run(engine)
+    direct = make_engine(model=str(policy_v2), drafter="none", dtype="int8")  # policy_v2 served int8 from the start
+    [cont] = direct.generate([prompt + prefix], SamplingParams(max_tokens=20 - len(prefix), temperature=0.0,
+                                                               ignore_eos=True))
+    assert seq.output_ids == prefix + cont.output_ids
+    assert [run[:2] for run in seq.version_runs] == [[0, "base"], [len(prefix), "p2"]]
+    assert {r.target_version for r in engine.sink.records} == {"base", "p2"}
+
+    broken = tmp_path / "nan"
+    shutil.copytree(policy_v2, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(SwapError):
+        load_swap("policy", "p3", "interrupt", broken, engine.target, plan=engine.plan)
+    assert engine.target_version == "p2" and engine.target.layers[0].qkv.dtype == torch.int8

@@ -10,6 +10,7 @@ import torch
 
 from specrl.models.calibration import (BUCKETS, HEAD_BUCKETS, MAX_RING_COPIES, RING_BYTES, Calibration,
                                        bucket_of, bucket_weights, resolve_dtype, ring_copies)
+from specrl.errors import InvalidRequestError
 from specrl.models.linear import STORAGES
 
 SHAPE = (48, 32)
@@ -49,10 +50,10 @@ def test_requested_dtype_wins_over_flags():
 
 
 @pytest.mark.parametrize("bad", ["fp32", "bf16", "half", "", "AUTO"])
-def test_bad_dtype_is_a_value_error_naming_the_choices(bad, tmp_path):
-    with pytest.raises(ValueError, match=r"dtype must be one of auto, float32, float16, bfloat16; got"):
+def test_bad_dtype_is_an_error_naming_the_choices(bad, tmp_path):
+    with pytest.raises(InvalidRequestError, match=r"dtype must be one of auto, float32, float16, bfloat16, int8; got"):
         resolve_dtype(bad, frozenset())
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(InvalidRequestError, match="dtype must be one of"):
         Calibration.open(tmp_path, bad)
 
 

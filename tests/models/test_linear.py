@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specrl.models.calibration import convert
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for, linear, plain_weight
+from specrl.models.quantize import Int8Weight
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-4, rtol=1e-4),
        torch.bfloat16: dict(atol=0.1, rtol=0.02)}
@@ -25,13 +27,14 @@ def test_every_call_matches_f_linear(call, rows, dtypes):
     spec = CALLS[call]
     weight_dtype, x_dtype = dtypes
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 40, generator=gen).to(weight_dtype)
-    x = torch.randn(rows, 40, generator=gen).to(x_dtype)
+    weight = convert(torch.randn(96, 64, generator=gen), weight_dtype)  # int8: quantized, with its scales
+    x = torch.randn(rows, 64, generator=gen).to(x_dtype)
     stored = _storage_or_skip(spec.storage, weight)
     out = spec.fn(x, stored)
     assert out.shape == (rows, 96) and out.dtype == x_dtype and out.is_contiguous()
     tol = TOL[torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32 if weight_dtype == x_dtype else torch.float16]
-    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), **tol)
+    plain = weight.dequantize() if isinstance(weight, Int8Weight) else weight.float()
+    torch.testing.assert_close(out.float(), F.linear(x.float(), plain), **tol)
 
 
 @pytest.mark.parametrize("storage", sorted(STORAGES))

@@ -94,6 +94,29 @@ def test_prepared_forward_float16_weights_is_close(tiny_dir):
         torch.testing.assert_close(got, want, atol=0.02, rtol=0)
 
 
+def test_prepared_forward_int8_weights_is_close(tiny_dir):
+    """int8 weights (one scale per output) through the stream kernel, everything else float32: the
+    forward equals the plain model's on the dequantized weights (same values, another summation
+    order), and stays near the float32 one (the quantization's error, ~0.4% of a weight's row max)."""
+    from specrl.models.quantize import Int8Weight
+
+    plain = load_llama(tiny_dir)
+    prepared = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, torch.int8))
+    assert prepared.dtype == torch.float32 and prepared.layers[0].qkv.dtype == torch.int8
+    assert prepared.lm_head.dtype == torch.int8 and prepared.lm_head.stored.dtype == torch.int8
+    dequantized = load_llama(tiny_dir)
+    with torch.no_grad():
+        for name, param in dequantized.named_parameters():
+            if param.dim() == 2:  # every linear and the tied embedding / head
+                param.copy_(Int8Weight.from_float(param).dequantize())
+    torch.testing.assert_close(prepared.embed_tokens(torch.tensor([0, 5, 17])),
+                               dequantized.embed_tokens(torch.tensor([0, 5, 17])))
+    for got, want, near in zip(_forwards(prepared, STEPS), _forwards(dequantized, STEPS), _forwards(plain, STEPS)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got, near, atol=0.15, rtol=0)
+
+
 def test_calibrated_model_equals_plain(tiny_dir, tmp_path):
     plan = Calibration.open(tmp_path, "float32")
     prepared = load_llama(tiny_dir, plan=plan)
@@ -219,6 +242,15 @@ def test_smollm2_float16_weights_agree_with_transformers(smollm_dir, calibration
     plan = Calibration.open(calibration_dir, "float16")
     worst, agree, total = _hf_parity(smollm_dir, plan)
     assert agree >= total - 1 and worst < 0.2, (worst, agree, total)  # measured: 0.035, 36 of 36
+
+
+@pytest.mark.slow
+def test_smollm2_int8_weights_agree_with_transformers(smollm_dir, calibration_dir):
+    """int8 weights (symmetric, one scale per output), float32 compute: the greedy picks of 36
+    positions against HF's float32 (the quality over many answers: `specrl bench quality`)."""
+    plan = Calibration.open(calibration_dir, "int8")
+    worst, agree, total = _hf_parity(smollm_dir, plan)
+    assert agree >= total - 2 and worst < 2.0, (worst, agree, total)
 
 
 def _mapped_files() -> set[str]:

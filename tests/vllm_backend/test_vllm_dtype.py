@@ -2,6 +2,7 @@
 
 import pytest
 
+from specrl.errors import InvalidRequestError
 from specrl.serving.vllm.build import vllm_dtype
 
 AVX512_BF16 = {"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}
@@ -25,3 +26,8 @@ def test_bfloat16_asked_for_on_amx_warns():
     dtype, reason = vllm_dtype("bfloat16", frozenset(AMX))
     assert dtype == "bfloat16" and "WARNING" in reason and "dtype=float32" in reason
     assert "WARNING" not in vllm_dtype("bfloat16", frozenset(AVX512_BF16))[1]
+
+
+def test_int8_is_refused_with_one_line_naming_the_native_engine():
+    with pytest.raises(InvalidRequestError, match="native engine's .* float32 or bfloat16"):
+        vllm_dtype("int8", frozenset(AVX512_BF16))

@@ -27,9 +27,10 @@ for tokens/s and TTFT. Besides throughput the report holds:
   positions per row T, per dtype (`forward_curve.py`; table, forward-curve.png): what the
   controller's drafting decisions rest on (a verify over T positions, or B rows, should cost about
   one position);
-- native float16 weights (float32 compute, the stream kernel) where the CPU has avx2+fma+f16c, and
-  bfloat16 where it has native bf16 dot products (avx512_bf16 / AMX), beside float32,
-  with the CPU flags that decided it;
+- native float16 weights (float32 compute, the stream kernel) where the CPU has avx2+fma+f16c,
+  bfloat16 where it has native bf16 dot products (avx512_bf16 / AMX), and int8 weights (a scale per
+  group of 32) where the stream kernel is built, beside float32, with the CPU flags that decided it
+  (`--dtypes` picks some);
 - the process's peak RSS after the native runs, before HF loads its copy of the model,
   against (model bytes + the KV caches allocated) x 1.25 (the bench process only: vLLM's are others).
 """
@@ -71,6 +72,9 @@ RATIOS = (
     ("native_spec_fp16_over_native_plain_fp16", "tokens_per_s", NATIVE_SPEC + "_fp16", NATIVE_PLAIN + "_fp16"),
     ("native_bf16_over_native_fp32", "tokens_per_s", NATIVE_PLAIN + "_bf16", NATIVE_PLAIN),
     ("native_spec_bf16_over_native_plain_bf16", "tokens_per_s", NATIVE_SPEC + "_bf16", NATIVE_PLAIN + "_bf16"),
+    ("native_int8_over_native_bf16", "tokens_per_s", NATIVE_PLAIN + "_int8", NATIVE_PLAIN + "_bf16"),
+    ("native_int8_over_native_fp32", "tokens_per_s", NATIVE_PLAIN + "_int8", NATIVE_PLAIN),
+    ("native_spec_int8_over_native_plain_int8", "tokens_per_s", NATIVE_SPEC + "_int8", NATIVE_PLAIN + "_int8"),
     ("vllm_plain_over_native_plain", "tokens_per_s", VLLM_PLAIN, NATIVE_PLAIN),
     ("vllm_spec_over_native_spec", "tokens_per_s", VLLM_SPEC, NATIVE_SPEC),
     ("vllm_spec_over_vllm_plain", "tokens_per_s", VLLM_SPEC, VLLM_PLAIN),
@@ -106,6 +110,8 @@ def register(sub) -> None:
                                       "speculative: tokens/s, TTFT, ratios")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--dtypes", default=None, help="native weight formats to measure, e.g. bfloat16,int8 (default: "
+                                                  "every one this CPU runs natively)")
     add_backends_flag(p)
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-engine-<time>)")
     add_settings(p, *COMMON, *ENGINE)
@@ -119,12 +125,19 @@ def run(args: argparse.Namespace) -> int:
         sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     except ValueError:
         raise InvalidRequestError(f"--batch-sizes takes comma-separated integers, not {args.batch_sizes!r}") from None
-    run_engine_bench(settings, sizes, args.new_tokens, args.out, tuple(backends))
+    dtypes = native_dtypes()
+    if args.dtypes is not None:
+        asked = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        if not asked or any(d not in dtypes for d in asked):
+            raise InvalidRequestError(f"--dtypes takes some of {','.join(dtypes)} (what this CPU runs natively); "
+                                      f"got {args.dtypes!r}")
+        dtypes = asked
+    run_engine_bench(settings, sizes, args.new_tokens, args.out, tuple(backends), tuple(dtypes))
     return 0
 
 
 def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int, out_dir: str | None,
-                     backends: tuple[str, ...] = (NATIVE,)) -> dict:
+                     backends: tuple[str, ...] = (NATIVE,), dtypes: tuple[str, ...] | None = None) -> dict:
     """Measure every engine of `backends` at every batch size; print a table; write
     bench-engine.json and .png (and the vLLM children's logs) to the report directory."""
     from specrl.assets import resolve_model
@@ -137,18 +150,19 @@ def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int
     threads, previous = bench_threads(settings.threads), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(settings, batch_sizes, new_tokens, out, model_dir, threads, backends)
+        return _run(settings, batch_sizes, new_tokens, out, model_dir, threads, backends,
+                    tuple(native_dtypes()) if dtypes is None else dtypes)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path, model_dir: Path, threads: int,
-         backends: tuple[str, ...]) -> dict:
+         backends: tuple[str, ...], dtypes: tuple[str, ...]) -> dict:
     drafter = spec_drafter(settings)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes), threads=threads, drafter=drafter)
     rows, curve, memory, weight_bytes = [], [], None, {}
     baseline = _rss()  # python, torch and transformers imported, no model yet
-    for dtype in native_dtypes():
+    for dtype in dtypes:
         plain, spec = native_engines(settings.replace(dtype=dtype))
         # Every run repeats the warm-up's prompts: an index that kept those answers would draft them
         # whole (measured: 10.7 tokens per step). Here the index drafts from each request's own text.
@@ -162,7 +176,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
             rows += [{**row, "dtype": dtype} for row in measure_alternately(runs, b)]
         _progress(f"forward cost curve ({dtype})")
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
-        if memory is None:  # float32 first: the memory limit is its
+        if memory is None:  # the first dtype's (float32 unless --dtypes says otherwise): the memory limit is its
             memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
                                                 "native_spec_drafter": spec.draft_cache}, baseline)
         weight_bytes[dtype] = spec.target.streamed_weight_bytes()
@@ -172,7 +186,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
     rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
     if VLLM in backends:
         rows += vllm_rows(settings, drafter, prompts, batch_sizes, new_tokens, threads, out / "vllm-logs",
-                          tuple(d for d in native_dtypes() if d != "float16"))  # vLLM has no float16-weights mode
+                          tuple(d for d in dtypes if d not in ("float16", "int8")))  # vLLM has neither mode
     result = _result(settings, model_dir, batch_sizes, new_tokens, rows, memory,
                      _bandwidth_report(bandwidth, weight_bytes, rows), backends)
     result["forward_curve"] = {"rows": curve, "ratios": curve_ratios(curve)}
@@ -185,10 +199,13 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
 
 def native_dtypes() -> list[str]:
     """float32; float16 (weights) beside it where the CPU has the stream kernel's vector path; bfloat16
-    where it has native bf16 dot products."""
+    where it has native bf16 dot products; int8 (weights) where the stream kernel is built."""
+    from specrl.models.linear import cpu_kernels
+
     flags = cpu_info()[1]
     return (["float32"] + (["float16"] if all(f in flags for f in STREAM_FLAGS) else [])
-            + (["bfloat16"] if any(f in flags for f in NATIVE_BF16_FLAGS) else []))
+            + (["bfloat16"] if any(f in flags for f in NATIVE_BF16_FLAGS) else [])
+            + (["int8"] if cpu_kernels is not None else []))
 
 
 def curve_ratios(curve: list[dict]) -> dict[str, dict[str, float]]:

@@ -1,0 +1,50 @@
+"""`specrl bench linears`: every int8 candidate computes the same product as the dequantized weight (a call
+that computed something else would be timed for nothing), the report and chart, bad flags get one line."""
+
+import json
+
+import pytest
+import torch
+
+from specrl.apps.bench.linears import candidates, run_linears_bench
+from specrl.apps.cli import main
+from specrl.config import Settings
+from specrl.models.linear import cpu_kernels
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_int8_candidate_computes_the_product():
+    """Each within its quantization's error of the float product (per output channel or per group of 32)."""
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 0.02
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    want = x @ w.t()
+    found = candidates("int8")
+    assert "aten._weight_int8pack_mm (torch)" in [c.name for c in found]
+    assert ("stream int8 (specrl)" in [c.name for c in found]) == (cpu_kernels is not None)
+    for c in found:
+        got = c.call(x, c.pack(w)).float()
+        tolerance = 0.05 if "dynamic" in c.name else 0.02  # dynamic: the activations are quantized too
+        torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=0, msg=c.name)
+
+
+@pytest.mark.skipif(cpu_kernels is None, reason="the stream kernel is not built")
+def test_bench_linears_report(tmp_path, capsys):
+    result = run_linears_bench(Settings.load(threads=1), ["int8"], (1, 2), str(tmp_path))
+    report = json.loads((tmp_path / "bench-linears.json").read_text())
+    names = [c["name"] for c in report["candidates"]]
+    assert names[:2] == ["stream int8 (specrl)", "aten._weight_int8pack_mm (torch)"]
+    for c in report["candidates"]:
+        assert len(c["forward_ms"]) == 2 and all(ms > 0 for ms in c["forward_ms"]) and c["gb_s_one_row"] > 0
+        assert set(c["per_shape_ms"]) == {"qkv", "o", "gate_up", "down", "head"}
+    assert result["rows"] == [1, 2] and report["machine"]["read_gb_s"] > 0
+    assert (tmp_path / "bench-linears.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert "stream int8 (specrl)" in capsys.readouterr().out
+
+
+def test_bad_flags_get_one_line(capsys):
+    assert main(["bench", "linears", "--rows", "0,1"]) == 1
+    assert main(["bench", "linears", "--formats", "int3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["specrl: error: --rows takes positive row counts like 1,2,4,8,16; got '0,1'",
+                   "specrl: error: --formats takes some of float32, bfloat16, float16, int8; got 'int3'"]

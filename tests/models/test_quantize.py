@@ -1,0 +1,71 @@
+"""int8 weights: the quantization's error bound, the blocked storage round trip, and the stream kernel's int8
+path against the dequantized matmul on every code path (AVX-512, AVX2 by shape, portable C), with each row of
+a many-row call equal to the same row alone (a verify must compute what a decode step does, bit for bit)."""
+
+import pytest
+import torch
+
+from specrl.models.linear import BLOCK, CALLS, KIND, PackedLinear, cpu_kernels
+from specrl.errors import InvalidRequestError
+from specrl.models.quantize import GROUP, Int8Weight
+
+pytestmark = pytest.mark.skipif(cpu_kernels is None, reason="the stream kernel is not built")
+
+
+def _weight(out_features, in_features, seed=0):
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.02
+
+
+def test_quantization_error_is_at_most_half_a_step_of_its_group():
+    w = _weight(64, 96)
+    w[3, 32:64] = 0.0  # an all-zero group
+    w[5, :32] *= 100  # a group far larger than the rest of its row: its scale is its own
+    q = Int8Weight.from_float(w)
+    assert q.q.dtype == torch.int8 and q.scale.shape == (64, 3) and q.q.abs().max() <= 127
+    step = q.scale.repeat_interleave(GROUP, dim=1)
+    assert torch.all((q.dequantize() - w).abs() <= step / 2 + 1e-9)
+    assert torch.equal(q.q[3, 32:64], torch.zeros(32, dtype=torch.int8)) and q.scale[3, 1] == 1.0
+    assert q.scale[5, 0] > 50 * q.scale[5, 1]
+    assert q.q.view(64, 3, GROUP).abs().amax(2).min() == 0 and (q.q.view(64, 3, GROUP).abs().amax(2) == 127).sum() == 191
+
+
+def test_weights_that_cannot_be_quantized_are_refused():
+    w = _weight(16, 32)
+    w[2, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        Int8Weight.from_float(w)
+    with pytest.raises(InvalidRequestError, match="groups of 32"):
+        Int8Weight.from_float(_weight(16, 48))
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (40, 32), (48, 64)])  # 40: padded to 48; 48: not whole groups of 4
+def test_blocked_int8_round_trip_and_rows(shape):
+    q = Int8Weight.from_float(_weight(*shape))
+    packed = PackedLinear(q, "blocked", (1,), ("stream",))
+    assert packed.dtype == torch.int8 and packed.stored.dtype == torch.int8
+    assert packed.stored.shape == (-(-shape[0] // BLOCK), shape[1] + shape[1] // GROUP * 4, BLOCK)
+    torch.testing.assert_close(packed.plain(), q.dequantize(), rtol=0, atol=0)
+    ids = torch.tensor([0, shape[0] - 1, 7])
+    torch.testing.assert_close(packed.rows(ids), q.dequantize()[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (48, 64), (40, 32)])
+@pytest.mark.parametrize("rows", [1, 5, 7, 12, 13, 17])
+def test_stream_int8_matches_the_dequantized_matmul_on_every_path(shape, rows):
+    q = Int8Weight.from_float(_weight(*shape, seed=rows))
+    packed = PackedLinear(q, "blocked", (1,), ("stream",))
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
+    want = (x.double() @ q.dequantize().double().t()).float()
+    got = packed(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    padded = packed.stored.shape[0] * BLOCK
+    portable = torch.empty(rows, padded)
+    cpu_kernels.gemm(portable.data_ptr(), x.data_ptr(), packed.stored.data_ptr(), rows, shape[1], padded,
+                     KIND[torch.int8], 2, 1)
+    torch.testing.assert_close(portable[:, : shape[0]], want, atol=1e-5, rtol=1e-4)
+    for row in {0, rows // 2, rows - 1}:  # each row as a one-row call computes it: bit for bit
+        assert torch.equal(packed(x[row:row + 1].contiguous())[0], got[row])
+
+
+def test_the_stream_call_takes_int8_weights_with_float32_inputs():
+    assert (torch.int8, torch.float32) in CALLS["stream"].dtypes

@@ -42,12 +42,12 @@ class Settings:
     threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     dtype: str = setting("auto", "serving weights: float32; float16 or bfloat16 (half the bytes a decode step "
                                  "streams; activations and KV cache stay float32; bfloat16 multiplies on the CPU's "
-                                 "bf16 units); int8 (a quarter of float32's bytes, one scale per output; changes "
-                                 "outputs: see bench quality; native engine only). auto: bfloat16 where the CPU has "
+                                 "bf16 units); int8 (1.125 bytes a weight) or q4 (Q4_1, 0.625 bytes): they change "
+                                 "outputs (bench quality), native engine only. auto: bfloat16 where the CPU has "
                                  "native bf16 dot products (amx_bf16 or avx512_bf16), float16 where it has "
                                  "avx2+fma+f16c, else float32 (vLLM: bfloat16 where the CPU has native bf16 but no "
                                  "AMX, else float32)",
-                         choices=("auto", "float32", "float16", "bfloat16", "int8"))
+                         choices=("auto", "float32", "float16", "bfloat16", "int8", "q4"))
     seed: int = setting(0, "seed of the engine's own randomness and of day-0 drafters")
     # ---- engine
     max_batch: int = setting(8, "KV slots: the most sequences decoded together")

@@ -70,9 +70,9 @@ def vllm_dtype(requested: str, flags: frozenset[str]) -> tuple[str, str]:
     wrong, measured on an AMX Xeon (amx_bf16, avx512_bf16; SmolLM2, greedy, "What is the capital of
     France?"): vLLM bfloat16 "L'Étoile, la Marseillaise,", vLLM float32 and HF transformers in
     bfloat16 and float32 "The capital of France is Paris."."""
-    if requested == "int8":
-        raise InvalidRequestError("dtype=int8 is the native engine's (its stream kernel); the vLLM backend serves "
-                                  "float32 or bfloat16: use --backend native or another --dtype")
+    if requested in ("int8", "q4"):
+        raise InvalidRequestError(f"dtype={requested} is the native engine's (its stream kernel); the vLLM backend "
+                                  "serves float32 or bfloat16: use --backend native or another --dtype")
     if requested in ("auto", "float16"):
         if all(f in flags for f in AMX_FLAGS):
             return "float32", f"dtype=float32 ({requested} on vLLM: its bfloat16 answers wrongly on AMX CPUs)"

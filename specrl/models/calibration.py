@@ -42,13 +42,14 @@ import torch
 
 from specrl.errors import InvalidRequestError
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for, cpu_kernels
-from specrl.models.quantize import Int8Weight
+from specrl.models.quantize import Int8Weight, Q4Weight
 
 SCHEMA = 3  # 2: two passes per measurement; 3: the stream kernel's 12 x 2 tiles for 7-12 rows
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 136, 512)
 HEAD_BUCKETS = tuple(b for b in BUCKETS if b <= 48)
 # the weights' formats (activations are float32 in every one)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+          "q4": torch.quint4x2}
 STREAM_FLAGS = ("avx2", "fma", "f16c")  # the stream kernel's vector path (AVX-512F is a superset here)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
@@ -71,7 +72,7 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 
 
 def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[torch.dtype, str]:
-    """"auto" | "float32" | "float16" | "bfloat16" | "int8" -> (the weights' dtype, a one-line reason).
+    """"auto" | "float32" | "float16" | "bfloat16" | "int8" | "q4" -> (the weights' dtype, a one-line reason).
 
     Half-precision weights halve the bytes a decode step streams; activations, norms, KV cache and
     sums stay float32 either way (`Calibration.dtype`). float16 weights keep 10 mantissa bits and are
@@ -88,17 +89,20 @@ def resolve_dtype(requested: str, flags: frozenset[str] | set[str]) -> tuple[tor
     where the CPU has the stream kernel's vector path (AVX2 + FMA + F16C): half the bytes, converted
     in registers, measured faster than float32. Else float32.
 
-    int8 (symmetric per output channel, `specrl.models.quantize`) is never auto's pick: it changes the
-    model's outputs (measured by `specrl bench quality`), so it is asked for. It needs the stream
-    kernel (InvalidRequestError where it is not built)."""
+    int8 and q4 (`specrl.models.quantize`) are never auto's pick: they change the model's outputs
+    (measured by `specrl bench quality`), so they are asked for. They need the stream kernel
+    (InvalidRequestError where it is not built)."""
     if requested not in ("auto", *DTYPES):
         raise InvalidRequestError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {requested!r}")
+    if requested in ("int8", "q4") and cpu_kernels is None:
+        raise InvalidRequestError(f"dtype={requested} needs the stream kernel (specrl.models._cpu_kernels), which is "
+                                  "not built here: pip install -e . builds it")
     if requested == "int8":
-        if cpu_kernels is None:
-            raise InvalidRequestError("dtype=int8 needs the stream kernel (specrl.models._cpu_kernels), which is not "
-                                      "built here: pip install -e . builds it")
         return torch.int8, ("dtype=int8 (requested: int8 weights, a float32 scale per output and group of 32 inputs, "
                             "float32 activations)")
+    if requested == "q4":
+        return torch.quint4x2, ("dtype=q4 (requested: 4-bit weights in Q4_1's format, a float16 scale and minimum per "
+                                "output and group of 32 inputs, float32 activations)")
     if requested == "auto":
         if all(f in flags for f in AMX_FLAGS):
             return torch.bfloat16, "dtype=bfloat16 (auto: bfloat16 weights on AMX tiles, float32 activations; " \
@@ -202,11 +206,17 @@ class Calibration:
         if self._reference is not None:
             ref = self._reference.choose(tuple(weight.shape), head=head, tied=tied)
             self._cost[1] += ref.expected_ms[ref.storage]
-        return PackedLinear(convert(weight, self.weight_dtype), choice.storage, choice.buckets, choice.calls)
+        return PackedLinear(convert(weight, self.format_of(head)), choice.storage, choice.buckets, choice.calls)
+
+    def format_of(self, head: bool) -> torch.dtype:
+        """The weights' format for a layer's linear or a head. q4 keeps heads (and so the tied embeddings)
+        in int8: SmolLM2's GGUF holds its embedding as Q8_0 (int8 with a scale per 32, what int8 is here),
+        which 4 bits would round again; its layers' Q4_1 values q4 takes as they are."""
+        return torch.int8 if head and self.weight_dtype == torch.quint4x2 else self.weight_dtype
 
     def choose(self, shape: tuple[int, int], *, head: bool = False, tied: bool = False) -> Choice:
         buckets = HEAD_BUCKETS if head else BUCKETS
-        measured = {s: calls for s, calls in self._measured(shape, buckets, tied).items()
+        measured = {s: calls for s, calls in self._measured(shape, buckets, tied, self.format_of(head)).items()
                     if not tied or STORAGES[s].rows is not None}
         weights = bucket_weights(buckets, prefill_share=0.0 if head else 0.01)
         best = {}  # storage -> per bucket (ms, call) of its fastest call
@@ -237,16 +247,16 @@ class Calibration:
                 f"use dtype=float32 or auto")
 
     # ---- measuring -------------------------------------------------------------------------
-    def _measured(self, shape: tuple[int, int], buckets: tuple[int, ...], tied: bool) -> dict:
-        """storage -> call -> [ms per bucket | None] for `buckets`, measuring what is missing
-        (a tied weight needs only the storages with row access)."""
-        name = f"{shape[0]}x{shape[1]}"
+    def _measured(self, shape: tuple[int, int], buckets: tuple[int, ...], tied: bool, dtype: torch.dtype) -> dict:
+        """storage -> call -> [ms per bucket | None] for `buckets` and weights of `dtype`, measuring what is
+        missing (a tied weight needs only the storages with row access)."""
+        name = f"{shape[0]}x{shape[1]}" + ("" if dtype == self.weight_dtype else f"-{str(dtype).removeprefix('torch.')}")
         have = self.shapes.setdefault(name, {})
         wanted = [s for s, st in STORAGES.items() if not tied or st.rows is not None]
         missing = [s for s in wanted if s not in have or have[s] and any(len(ms) < len(buckets) for ms in have[s].values())]
         if missing:
             started = time.perf_counter()
-            have.update(measure_shape(shape, self.weight_dtype, buckets, missing, progress=self.progress,
+            have.update(measure_shape(shape, dtype, buckets, missing, progress=self.progress,
                                       x_dtype=self.dtype))
             for storage in missing:
                 have.setdefault(storage, None)  # None: this torch cannot build it for this dtype
@@ -263,8 +273,12 @@ class Calibration:
 
 
 def convert(weight: torch.Tensor, dtype: torch.dtype) -> "torch.Tensor | Int8Weight":
-    """weight [OUT, IN] (any float dtype) -> in the weights' format `dtype` (int8: quantized)."""
-    return Int8Weight.from_float(weight) if dtype == torch.int8 else weight.to(dtype)
+    """weight [OUT, IN] (any float dtype) -> in the weights' format `dtype` (int8, q4: quantized)."""
+    if dtype == torch.int8:
+        return Int8Weight.from_float(weight)
+    if dtype == torch.quint4x2:
+        return Q4Weight.from_float(weight)
+    return weight.to(dtype)
 
 
 def return_freed_memory() -> bool:
@@ -318,11 +332,11 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
     from tqdm import tqdm
 
     out_features, in_features = shape
-    nbytes = out_features * in_features * torch.empty(0, dtype=dtype).element_size()
+    nbytes = int(out_features * in_features * (0.625 if dtype == torch.quint4x2 else torch.empty(0, dtype=dtype).element_size()))
     copies = ring_copies(nbytes, l3_bytes())
     gen = torch.Generator().manual_seed(0)
-    if dtype == torch.int8:
-        base = Int8Weight.from_float(torch.randn(shape, generator=gen).mul_(0.02))
+    if dtype in (torch.int8, torch.quint4x2):
+        base = convert(torch.randn(shape, generator=gen).mul_(0.02), dtype)
     else:
         base = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.02)  # one tensor of the dtype, no fp32 temporary
     x_dtype = dtype if x_dtype is None else x_dtype

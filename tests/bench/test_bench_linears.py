@@ -14,17 +14,19 @@ from specrl.models.linear import cpu_kernels
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_every_int8_candidate_computes_the_product():
-    """Each within its quantization's error of the float product (per output channel or per group of 32)."""
+@pytest.mark.parametrize("fmt, library, tolerance", [("int8", "aten._weight_int8pack_mm (torch)", 0.02),
+                                                     ("q4", "aten._weight_int4pack_mm_for_cpu (torch)", 0.15)])
+def test_every_quantized_candidate_computes_the_product(fmt, library, tolerance):
+    """Each within its quantization's error of the float product (per output, per group of 32, 4 bits)."""
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 0.02
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
     want = x @ w.t()
-    found = candidates("int8")
-    assert "aten._weight_int8pack_mm (torch)" in [c.name for c in found]
-    assert ("stream int8 (specrl)" in [c.name for c in found]) == (cpu_kernels is not None)
+    found = candidates(fmt)
+    assert library in [c.name for c in found]
+    assert (f"stream {fmt} (specrl)" in [c.name for c in found]) == (cpu_kernels is not None)
     for c in found:
         got = c.call(x, c.pack(w)).float()
-        tolerance = 0.05 if "dynamic" in c.name else 0.02  # dynamic: the activations are quantized too
+        tolerance = max(tolerance, 0.05) if "dynamic" in c.name else tolerance  # dynamic: activations quantized too
         torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=0, msg=c.name)
 
 
@@ -47,4 +49,4 @@ def test_bad_flags_get_one_line(capsys):
     assert main(["bench", "linears", "--formats", "int3"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["specrl: error: --rows takes positive row counts like 1,2,4,8,16; got '0,1'",
-                   "specrl: error: --formats takes some of float32, bfloat16, float16, int8; got 'int3'"]
+                   "specrl: error: --formats takes some of float32, bfloat16, float16, int8, q4; got 'int3'"]

@@ -61,8 +61,8 @@ def test_bench_quality_tiny(tmp_path, tiny_dir, capsys):
 
 
 def test_unknown_formats_are_one_line_errors(capsys):
-    with pytest.raises(InvalidRequestError, match="--dtypes takes some of float32, float16, bfloat16, int8"):
+    with pytest.raises(InvalidRequestError, match="--dtypes takes some of float32, float16, bfloat16, int8, q4"):
         parse_formats("float16,int3")
     assert main(["bench", "quality", "--dtypes", ""]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "specrl: error: --dtypes takes some of float32, float16, bfloat16, int8; got ''"]
+        "specrl: error: --dtypes takes some of float32, float16, bfloat16, int8, q4; got ''"]

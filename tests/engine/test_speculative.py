@@ -73,12 +73,12 @@ def assert_prefixes_follow(completions, law: dict[tuple[int, ...], float]) -> No
 
 # -1: the adaptive controller; int8: the target actually served is the quantized one, and speculation is exact
 # against it (the plain engine quantizes the same way)
-@pytest.mark.parametrize("fixed_k, dtype", [(1, "auto"), (3, "auto"), (-1, "auto"), (3, "int8"), (-1, "int8")])
+@pytest.mark.parametrize("fixed_k, dtype", [(1, "auto"), (3, "auto"), (-1, "auto"), (3, "int8"), (-1, "int8"), (3, "q4")])
 def test_greedy_speculation_equals_plain_greedy_tiny(make_engine, tokenizer, fixed_k, dtype):
     prompts = chat_prompts(tokenizer, 10)
     plain = make_engine(drafter="none", max_batch=4, dtype=dtype).generate(prompts, GREEDY)
     spec_engine = make_engine(max_batch=4, fixed_draft_tokens=fixed_k, max_draft_tokens=4, dtype=dtype)
-    assert (spec_engine.target.layers[0].qkv.dtype == torch.int8) == (dtype == "int8")
+    assert (spec_engine.target.layers[0].qkv.dtype in (torch.int8, torch.quint4x2)) == (dtype in ("int8", "q4"))
     spec = spec_engine.generate(prompts, GREEDY)
     assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
     if fixed_k > 0:  # the speculative path really ran, and accepted some drafts

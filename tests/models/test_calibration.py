@@ -51,7 +51,7 @@ def test_requested_dtype_wins_over_flags():
 
 @pytest.mark.parametrize("bad", ["fp32", "bf16", "half", "", "AUTO"])
 def test_bad_dtype_is_an_error_naming_the_choices(bad, tmp_path):
-    with pytest.raises(InvalidRequestError, match=r"dtype must be one of auto, float32, float16, bfloat16, int8; got"):
+    with pytest.raises(InvalidRequestError, match=r"dtype must be one of auto, float32, float16, bfloat16, int8, q4; got"):
         resolve_dtype(bad, frozenset())
     with pytest.raises(InvalidRequestError, match="dtype must be one of"):
         Calibration.open(tmp_path, bad)

@@ -94,27 +94,29 @@ def test_prepared_forward_float16_weights_is_close(tiny_dir):
         torch.testing.assert_close(got, want, atol=0.02, rtol=0)
 
 
-def test_prepared_forward_int8_weights_is_close(tiny_dir):
-    """int8 weights (one scale per output) through the stream kernel, everything else float32: the
-    forward equals the plain model's on the dequantized weights (same values, another summation
-    order), and stays near the float32 one (the quantization's error, ~0.4% of a weight's row max)."""
-    from specrl.models.quantize import Int8Weight
+@pytest.mark.parametrize("dtype, near", [(torch.int8, 0.15), (torch.quint4x2, 1.5)])
+def test_prepared_forward_quantized_weights_is_close(tiny_dir, dtype, near):
+    """int8 (a scale per group of 32) and 4-bit (Q4_1) weights through the stream kernel, everything else
+    float32: the forward equals the plain model's on the dequantized weights (same values, another summation
+    order), and stays near the float32 one (the quantization's error: the tiny model's random weights are
+    not on a 4-bit grid, so q4 moves them by up to 1/30 of a group's range)."""
+    from specrl.models.calibration import convert
 
     plain = load_llama(tiny_dir)
-    prepared = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, torch.int8))
-    assert prepared.dtype == torch.float32 and prepared.layers[0].qkv.dtype == torch.int8
-    assert prepared.lm_head.dtype == torch.int8 and prepared.lm_head.stored.dtype == torch.int8
+    prepared = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, dtype))
+    head = torch.int8 if dtype == torch.quint4x2 else dtype  # q4 keeps the (tied) head in int8
+    assert prepared.dtype == torch.float32 and prepared.layers[0].qkv.dtype == dtype and prepared.lm_head.dtype == head
     dequantized = load_llama(tiny_dir)
     with torch.no_grad():
         for name, param in dequantized.named_parameters():
             if param.dim() == 2:  # every linear and the tied embedding / head
-                param.copy_(Int8Weight.from_float(param).dequantize())
+                param.copy_(convert(param, head if name == "embed" else dtype).dequantize())
     torch.testing.assert_close(prepared.embed_tokens(torch.tensor([0, 5, 17])),
                                dequantized.embed_tokens(torch.tensor([0, 5, 17])))
-    for got, want, near in zip(_forwards(prepared, STEPS), _forwards(dequantized, STEPS), _forwards(plain, STEPS)):
+    for got, want, close in zip(_forwards(prepared, STEPS), _forwards(dequantized, STEPS), _forwards(plain, STEPS)):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-        torch.testing.assert_close(got, near, atol=0.15, rtol=0)
+        torch.testing.assert_close(got, close, atol=near, rtol=0)
 
 
 def test_calibrated_model_equals_plain(tiny_dir, tmp_path):
@@ -251,6 +253,15 @@ def test_smollm2_int8_weights_agree_with_transformers(smollm_dir, calibration_di
     plan = Calibration.open(calibration_dir, "int8")
     worst, agree, total = _hf_parity(smollm_dir, plan)
     assert agree >= total - 2 and worst < 2.0, (worst, agree, total)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_serves_the_ggufs_own_weights(smollm_dir, calibration_dir):
+    """q4: the layers' Q4_1 values and the head's Q8_0 values of SmolLM2's GGUF come back exactly when packed
+    (quantize.py), so against HF's float32 (the same values dequantized) only the arithmetic differs."""
+    plan = Calibration.open(calibration_dir, "q4")
+    worst, agree, total = _hf_parity(smollm_dir, plan)
+    assert agree == total and worst < 0.01, (worst, agree, total)
 
 
 def _mapped_files() -> set[str]:

@@ -1,13 +1,14 @@
-"""int8 weights: the quantization's error bound, the blocked storage round trip, and the stream kernel's int8
-path against the dequantized matmul on every code path (AVX-512, AVX2 by shape, portable C), with each row of
-a many-row call equal to the same row alone (a verify must compute what a decode step does, bit for bit)."""
+"""int8 and 4-bit weights: the quantization's error bound (and Q4_1 values coming back exactly), the blocked
+storage round trip, and the stream kernel's path for each against the dequantized matmul on every code path
+(AVX-512, AVX2 by shape, portable C), with each row of a many-row call equal to the same row alone (a verify
+must compute what a decode step does, bit for bit)."""
 
 import pytest
 import torch
 
 from specrl.models.linear import BLOCK, CALLS, KIND, PackedLinear, cpu_kernels
 from specrl.errors import InvalidRequestError
-from specrl.models.quantize import GROUP, Int8Weight
+from specrl.models.quantize import GROUP, Int8Weight, Q4Weight
 
 pytestmark = pytest.mark.skipif(cpu_kernels is None, reason="the stream kernel is not built")
 
@@ -38,6 +39,25 @@ def test_weights_that_cannot_be_quantized_are_refused():
         Int8Weight.from_float(_weight(16, 48))
 
 
+def test_q4_values_come_back_exactly_and_floats_within_half_a_step():
+    """Q4_1's values (q * scale + minimum, float16 scale and minimum, groups holding q = 0 and 15, as llama.cpp
+    quantizes) give back the same q, scales and minimums: SmolLM2's checkpoint is such values."""
+    gen = torch.Generator().manual_seed(3)
+    scale = (torch.rand(32, 3, generator=gen) * 0.01 + 1e-3).half()
+    minimum = (-torch.rand(32, 3, generator=gen) * 0.05).half()
+    q = torch.randint(0, 16, (32, 96), generator=gen, dtype=torch.uint8)
+    q[:, ::GROUP], q[:, 1::GROUP] = 0, 15
+    values = (q.float().view(32, 3, GROUP) * scale.float()[..., None] + minimum.float()[..., None]).view(32, 96)
+    back = Q4Weight.from_float(values)
+    assert torch.equal(back.q, q) and torch.equal(back.scale, scale) and torch.equal(back.minimum, minimum)
+    w = _weight(32, 96)
+    quantized = Q4Weight.from_float(w)
+    step = quantized.scale.float().repeat_interleave(GROUP, dim=1)
+    assert quantized.q.max() <= 15 and torch.all((quantized.dequantize() - w).abs() <= step / 2 + 2e-3 * step)
+    with pytest.raises(InvalidRequestError, match="groups of 32"):
+        Q4Weight.from_float(_weight(16, 48))
+
+
 @pytest.mark.parametrize("shape", [(64, 96), (40, 32), (48, 64)])  # 40: padded to 48; 48: not whole groups of 4
 def test_blocked_int8_round_trip_and_rows(shape):
     q = Int8Weight.from_float(_weight(*shape))
@@ -49,10 +69,22 @@ def test_blocked_int8_round_trip_and_rows(shape):
     torch.testing.assert_close(packed.rows(ids), q.dequantize()[ids], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(64, 96), (40, 32), (48, 64)])
+def test_blocked_q4_round_trip_and_rows(shape):
+    q = Q4Weight.from_float(_weight(*shape))
+    packed = PackedLinear(q, "blocked", (1,), ("stream",))
+    assert packed.dtype == torch.quint4x2 and packed.stored.dtype == torch.uint8
+    assert packed.stored.shape == (-(-shape[0] // BLOCK), 10 * shape[1])  # 0.625 bytes a weight
+    torch.testing.assert_close(packed.plain(), q.dequantize(), rtol=0, atol=0)
+    ids = torch.tensor([0, shape[0] - 1, 7])
+    torch.testing.assert_close(packed.rows(ids), q.dequantize()[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", [Int8Weight, Q4Weight])
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (48, 64), (40, 32)])
 @pytest.mark.parametrize("rows", [1, 5, 7, 12, 13, 17])
-def test_stream_int8_matches_the_dequantized_matmul_on_every_path(shape, rows):
-    q = Int8Weight.from_float(_weight(*shape, seed=rows))
+def test_stream_matches_the_dequantized_matmul_on_every_path(fmt, shape, rows):
+    q = fmt.from_float(_weight(*shape, seed=rows))
     packed = PackedLinear(q, "blocked", (1,), ("stream",))
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
     want = (x.double() @ q.dequantize().double().t()).float()
@@ -61,11 +93,11 @@ def test_stream_int8_matches_the_dequantized_matmul_on_every_path(shape, rows):
     padded = packed.stored.shape[0] * BLOCK
     portable = torch.empty(rows, padded)
     cpu_kernels.gemm(portable.data_ptr(), x.data_ptr(), packed.stored.data_ptr(), rows, shape[1], padded,
-                     KIND[torch.int8], 2, 1)
+                     KIND[packed.dtype], 2, 1)
     torch.testing.assert_close(portable[:, : shape[0]], want, atol=1e-5, rtol=1e-4)
     for row in {0, rows // 2, rows - 1}:  # each row as a one-row call computes it: bit for bit
         assert torch.equal(packed(x[row:row + 1].contiguous())[0], got[row])
 
 
-def test_the_stream_call_takes_int8_weights_with_float32_inputs():
-    assert (torch.int8, torch.float32) in CALLS["stream"].dtypes
+def test_the_stream_call_takes_int8_and_4bit_weights_with_float32_inputs():
+    assert {(torch.int8, torch.float32), (torch.quint4x2, torch.float32)} <= set(CALLS["stream"].dtypes)

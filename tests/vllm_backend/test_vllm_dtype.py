@@ -28,6 +28,7 @@ def test_bfloat16_asked_for_on_amx_warns():
     assert "WARNING" not in vllm_dtype("bfloat16", frozenset(AVX512_BF16))[1]
 
 
-def test_int8_is_refused_with_one_line_naming_the_native_engine():
-    with pytest.raises(InvalidRequestError, match="native engine's .* float32 or bfloat16"):
-        vllm_dtype("int8", frozenset(AVX512_BF16))
+@pytest.mark.parametrize("requested", ["int8", "q4"])
+def test_quantized_formats_are_refused_with_one_line_naming_the_native_engine(requested):
+    with pytest.raises(InvalidRequestError, match=f"dtype={requested} is the native engine's .* float32 or bfloat16"):
+        vllm_dtype(requested, frozenset(AVX512_BF16))

@@ -29,8 +29,8 @@ for tokens/s and TTFT. Besides throughput the report holds:
   one position);
 - native float16 weights (float32 compute, the stream kernel) where the CPU has avx2+fma+f16c,
   bfloat16 where it has native bf16 dot products (avx512_bf16 / AMX), and int8 weights (a scale per
-  group of 32) where the stream kernel is built, beside float32, with the CPU flags that decided it
-  (`--dtypes` picks some);
+  group of 32) and q4 (Q4_1) where the stream kernel is built, beside float32, with the CPU flags that
+  decided it (`--dtypes` picks some);
 - the process's peak RSS after the native runs, before HF loads its copy of the model,
   against (model bytes + the KV caches allocated) x 1.25 (the bench process only: vLLM's are others).
 """
@@ -75,6 +75,9 @@ RATIOS = (
     ("native_int8_over_native_bf16", "tokens_per_s", NATIVE_PLAIN + "_int8", NATIVE_PLAIN + "_bf16"),
     ("native_int8_over_native_fp32", "tokens_per_s", NATIVE_PLAIN + "_int8", NATIVE_PLAIN),
     ("native_spec_int8_over_native_plain_int8", "tokens_per_s", NATIVE_SPEC + "_int8", NATIVE_PLAIN + "_int8"),
+    ("native_q4_over_native_bf16", "tokens_per_s", NATIVE_PLAIN + "_q4", NATIVE_PLAIN + "_bf16"),
+    ("native_q4_over_native_fp32", "tokens_per_s", NATIVE_PLAIN + "_q4", NATIVE_PLAIN),
+    ("native_spec_q4_over_native_plain_q4", "tokens_per_s", NATIVE_SPEC + "_q4", NATIVE_PLAIN + "_q4"),
     ("vllm_plain_over_native_plain", "tokens_per_s", VLLM_PLAIN, NATIVE_PLAIN),
     ("vllm_spec_over_native_spec", "tokens_per_s", VLLM_SPEC, NATIVE_SPEC),
     ("vllm_spec_over_vllm_plain", "tokens_per_s", VLLM_SPEC, VLLM_PLAIN),
@@ -186,7 +189,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
     rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
     if VLLM in backends:
         rows += vllm_rows(settings, drafter, prompts, batch_sizes, new_tokens, threads, out / "vllm-logs",
-                          tuple(d for d in dtypes if d not in ("float16", "int8")))  # vLLM has neither mode
+                          tuple(d for d in dtypes if d not in ("float16", "int8", "q4")))  # vLLM has none of these
     result = _result(settings, model_dir, batch_sizes, new_tokens, rows, memory,
                      _bandwidth_report(bandwidth, weight_bytes, rows), backends)
     result["forward_curve"] = {"rows": curve, "ratios": curve_ratios(curve)}
@@ -199,13 +202,13 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
 
 def native_dtypes() -> list[str]:
     """float32; float16 (weights) beside it where the CPU has the stream kernel's vector path; bfloat16
-    where it has native bf16 dot products; int8 (weights) where the stream kernel is built."""
+    where it has native bf16 dot products; int8 and q4 (weights) where the stream kernel is built."""
     from specrl.models.linear import cpu_kernels
 
     flags = cpu_info()[1]
     return (["float32"] + (["float16"] if all(f in flags for f in STREAM_FLAGS) else [])
             + (["bfloat16"] if any(f in flags for f in NATIVE_BF16_FLAGS) else [])
-            + (["int8"] if cpu_kernels is not None else []))
+            + (["int8", "q4"] if cpu_kernels is not None else []))
 
 
 def curve_ratios(curve: list[dict]) -> dict[str, dict[str, float]]:

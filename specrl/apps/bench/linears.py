@@ -3,7 +3,8 @@ weight format, on SmolLM2's linear shapes at the row counts a decode or verify s
 
 Why: before a kernel of our own serves a format, the well-kept libraries' calls are measured on the
 same shapes (int8: torch's `aten._weight_int8pack_mm`, torchao's int8 weight-only and dynamic-activation
-layouts when torchao is importable; it is not a dependency: `pip install torchao` to include it). Each
+layouts when torchao is importable (it is not a dependency: `pip install torchao` to include it); 4-bit:
+torch's `aten._weight_int4pack_mm_for_cpu` on the same Q4_1 values). Each
 candidate packs SmolLM2's four layer weights (qkv [1728, 576], o [576, 576], gate_up [3072, 576], down
 [576, 1536]) and the head [49152, 576] once per copy of a ring larger than the L3 (so every call streams
 its weight from memory, as a forward does), and is timed at each row count: ms for one forward's
@@ -82,9 +83,9 @@ def _stream(fmt: str) -> Candidate | None:
     if cpu_kernels is None or (fmt == "bfloat16" and not NATIVE_BF16):
         return None
     dtype = DTYPES[fmt]
-    size = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[fmt]
+    size = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1 + 4 / GROUP, "q4": 0.5 + 4 / GROUP}[fmt]
     return Candidate(f"stream {fmt} (specrl)", fmt, lambda w: PackedLinear(convert(w, dtype), "blocked", (1,), ("stream",)),
-                     lambda x2, packed: packed(x2), size + (4 / GROUP if fmt == "int8" else 0))
+                     lambda x2, packed: packed(x2), size)
 
 
 def _float_formats(fmt: str) -> Callable[[], list]:
@@ -130,8 +131,24 @@ def _torchao_int8() -> list:
                       lambda x2, m: m(x2), 1 + 4 / 576)]
 
 
+def _q4() -> list:
+    from specrl.models.quantize import GROUP, Q4Weight
+
+    def int4pack(w: torch.Tensor):
+        """torch's CPU int4 layout: w = (q - 8) * scale + zero per group of 32; Q4_1's d q + m is that with
+        zero = m + 8 d (the same 4-bit values)."""
+        q = Q4Weight.from_float(w)
+        scale, minimum = q.scale.float().t(), q.minimum.float().t()  # [IN/32, OUT]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.q.to(torch.int32), 1)
+        return packed, torch.stack([scale, minimum + 8 * scale], dim=-1).contiguous()
+
+    return [_stream("q4"),
+            Candidate("aten._weight_int4pack_mm_for_cpu (torch)", "q4", int4pack,
+                      lambda x2, p: torch.ops.aten._weight_int4pack_mm_for_cpu(x2, p[0], GROUP, p[1]), 0.5 + 8 / GROUP)]
+
+
 FORMATS = {"float32": _float_formats("float32"), "bfloat16": _float_formats("bfloat16"),
-           "float16": _float_formats("float16"), "int8": _int8}
+           "float16": _float_formats("float16"), "int8": _int8, "q4": _q4}
 
 
 def run_linears_bench(settings: Settings, formats: list[str], rows: tuple[int, ...], out_dir: str | None) -> dict:

@@ -38,7 +38,8 @@ from specrl.config import Settings
 from specrl.errors import SpecrlError
 from specrl.speculation.sampling import SamplingParams
 
-DTYPE_SUFFIX = {"float32": "", "float16": "_fp16", "bfloat16": "_bf16", "int8": "_int8"}  # bench rows' names by dtype
+# bench rows' names by dtype
+DTYPE_SUFFIX = {"float32": "", "float16": "_fp16", "bfloat16": "_bf16", "int8": "_int8", "q4": "_q4"}
 
 VLLM_PLAIN, VLLM_SPEC = "vllm_plain", "vllm_spec"
 # vLLM's worker busy-polls its message queue for 1 s after its last read (shm_broadcast's

@@ -42,7 +42,7 @@ import torch
 
 from specrl.errors import InvalidRequestError
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for, cpu_kernels
-from specrl.models.quantize import Int8Weight, Q4Weight
+from specrl.models.quantize import Int8Weight, Q4Weight, bytes_per_weight
 
 SCHEMA = 3  # 2: two passes per measurement; 3: the stream kernel's 12 x 2 tiles for 7-12 rows
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 136, 512)
@@ -332,7 +332,7 @@ def measure_shape(shape: tuple[int, int], dtype: torch.dtype, buckets: tuple[int
     from tqdm import tqdm
 
     out_features, in_features = shape
-    nbytes = int(out_features * in_features * (0.625 if dtype == torch.quint4x2 else torch.empty(0, dtype=dtype).element_size()))
+    nbytes = int(out_features * in_features * bytes_per_weight(dtype))
     copies = ring_copies(nbytes, l3_bytes())
     gen = torch.Generator().manual_seed(0)
     if dtype in (torch.int8, torch.quint4x2):

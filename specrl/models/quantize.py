@@ -111,3 +111,10 @@ class Q4Weight:
 
 
 QUANTIZED = (Int8Weight, Q4Weight)  # weights that come with their scales: packed as they are
+
+
+def bytes_per_weight(dtype: torch.dtype) -> float:
+    """Bytes a weight of the format `dtype` streams, its scales included: int8 1 + 4/32 (a float32 scale per
+    group), q4 1/2 + 4/32 (two float16 per group); a float dtype its element size."""
+    quantized = {torch.int8: 1 + 4 / GROUP, torch.quint4x2: 0.5 + 4 / GROUP}
+    return quantized[dtype] if dtype in quantized else torch.empty(0, dtype=dtype).element_size()

@@ -101,3 +101,11 @@ def test_stream_matches_the_dequantized_matmul_on_every_path(fmt, shape, rows):
 
 def test_the_stream_call_takes_int8_and_4bit_weights_with_float32_inputs():
     assert {(torch.int8, torch.float32), (torch.quint4x2, torch.float32)} <= set(CALLS["stream"].dtypes)
+
+
+@pytest.mark.parametrize("fmt", [Int8Weight, Q4Weight])
+def test_bytes_per_weight_is_what_the_packed_storage_holds(fmt):
+    from specrl.models.quantize import bytes_per_weight
+
+    packed = PackedLinear(fmt.from_float(_weight(64, 96)), "blocked", (1,), ("stream",))
+    assert packed.nbytes == 64 * 96 * bytes_per_weight(fmt.dtype)

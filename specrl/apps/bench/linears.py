@@ -78,14 +78,13 @@ def candidates(fmt: str) -> list[Candidate]:
 def _stream(fmt: str) -> Candidate | None:
     from specrl.models.calibration import DTYPES, convert
     from specrl.models.linear import NATIVE_BF16, PackedLinear, cpu_kernels
-    from specrl.models.quantize import GROUP
+    from specrl.models.quantize import bytes_per_weight
 
     if cpu_kernels is None or (fmt == "bfloat16" and not NATIVE_BF16):
         return None
     dtype = DTYPES[fmt]
-    size = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1 + 4 / GROUP, "q4": 0.5 + 4 / GROUP}[fmt]
     return Candidate(f"stream {fmt} (specrl)", fmt, lambda w: PackedLinear(convert(w, dtype), "blocked", (1,), ("stream",)),
-                     lambda x2, packed: packed(x2), size)
+                     lambda x2, packed: packed(x2), bytes_per_weight(dtype))
 
 
 def _float_formats(fmt: str) -> Callable[[], list]:

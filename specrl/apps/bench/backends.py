@@ -15,8 +15,8 @@ from pathlib import Path
 
 from specrl.errors import InvalidRequestError
 
-NATIVE, VLLM = "native", "vllm"
-BACKENDS = (NATIVE, VLLM)
+NATIVE, VLLM, LLAMACPP = "native", "vllm", "llamacpp"
+BACKENDS = (NATIVE, VLLM)  # every bench's; bench engine also takes LLAMACPP
 
 
 def vllm_version() -> str | None:
@@ -29,20 +29,20 @@ def vllm_version() -> str | None:
     return None
 
 
-def parse_backends(text: str | None, installed: str | None = None) -> list[str]:
+def parse_backends(text: str | None, installed: str | None = None, allowed: tuple[str, ...] = BACKENDS) -> list[str]:
     """"native,vllm" -> ["native", "vllm"] (order kept, duplicates dropped). None or "" means
-    native plus vLLM when vLLM is installed. An unknown name, or vLLM asked for but missing or
+    native plus vLLM when vLLM is installed (llama.cpp only when named: bench engine builds it). An unknown name, or vLLM asked for but missing or
     not the pinned release, raises one actionable line. `installed`: the vLLM version to
-    check (default: the installed one)."""
+    check (default: the installed one); `allowed`: the backends this bench runs."""
     from specrl.serving.vllm import SUPPORTED_VERSION, check_version
 
     if not text:
         return [NATIVE, VLLM] if (installed or vllm_version()) else [NATIVE]
     names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in BACKENDS]
+    unknown = [n for n in names if n not in allowed]
     if unknown or not names:
         raise InvalidRequestError(f"unknown backend {', '.join(unknown) or repr(text)}: "
-                                  f"--backend takes a comma-separated list of {', '.join(BACKENDS)}")
+                                  f"--backend takes a comma-separated list of {', '.join(allowed)}")
     if VLLM in names:
         version = installed or vllm_version()
         if version is None:
@@ -119,9 +119,9 @@ def settings_record(settings) -> dict:
 def add_backends_flag(parser) -> None:
     """`--backend native,vllm`: the backends a bench compares side by side."""
     parser.add_argument("--backend", dest="backends", default=None,
-                        help="comma-separated backends side by side: native,vllm (default: both when vLLM is "
-                             "installed); each computes with --threads threads (here 0 = vLLM's CPU default, all "
-                             "cores but one)")
+                        help="comma-separated backends side by side: native,vllm (bench engine: also llamacpp) "
+                             "(default: native and vllm when vLLM is installed); each computes with --threads threads (here 0 = "
+                             "vLLM's CPU default, all cores but one)")
 
 
 def save_report(result: dict, name: str, out_dir: str | None, home: Path, print_table, plot) -> Path:

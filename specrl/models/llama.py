@@ -9,7 +9,8 @@ the whole prompt.
 Weights are plain tensors fused at load time (q|k|v, gate|up), read straight from the
 safetensors files into the parameters. For serving, `load_llama(dir, plan)` then packs every
 linear once as the start-up calibration chose for this CPU (`specrl.models.calibration`),
-its weights in float32, float16 or bfloat16 and everything else in float32; training builds and
+its weights in float32, float16, bfloat16, int8 or 4-bit and everything else in float32; a 4-bit model whose
+directory holds its GGUF is served from the GGUF's blocks as they ship (`load_gguf`). Training builds and
 backpropagates through the plain form (which also runs in bfloat16 throughout).
 
 A decode or verify step (float32 activations) whose four linears all take the stream kernel runs each layer as
@@ -38,6 +39,7 @@ from torch import nn
 from specrl.errors import ModelNotFoundError
 from specrl.models.kv_cache import CacheBatch, KVCache
 from specrl.models.linear import KIND, PackedLinear, cpu_kernels, linear, plain_weight
+from specrl.models.quantize import Int8Weight, Q4Weight, cat_rows
 
 if TYPE_CHECKING:
     from specrl.models.calibration import Calibration
@@ -190,10 +192,12 @@ class DecoderLayer(nn.Module):
         # a SmolLM2 step), it depends only on the weights, which prepare_inference sets once.
         self._weights_stream: dict[int, bool] = {}
 
-    def prepare_inference(self, plan: "Calibration") -> None:
-        """Pack the four linears as `plan` chose, in its dtype; norms cast to it."""
+    def prepare_inference(self, plan: "Calibration", quantized: "dict[str, Int8Weight | Q4Weight] | None" = None) -> None:
+        """Pack the four linears as `plan` chose, in its dtype (those in `quantized` from those blocks instead of
+        the parameters); norms cast to it."""
+        quantized = quantized or {}
         for name in self.LINEARS:
-            _set_weight(self, name, plan.pack(getattr(self, name)))
+            _set_weight(self, name, plan.pack(quantized.get(name, getattr(self, name))))
         for name in ("input_norm", "post_norm"):
             _set_weight(self, name, getattr(self, name).detach().to(plan.dtype))
         self._weights_stream.clear()
@@ -297,8 +301,11 @@ class Llama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.dtype
 
-    def prepare_inference(self, plan: "Calibration") -> "Llama":
-        """Pack every linear (layers and head) once, as `plan` measured fastest here, in plan.dtype.
+    def prepare_inference(self, plan: "Calibration",
+                          quantized: "dict[str, Int8Weight | Q4Weight] | None" = None) -> "Llama":
+        """Pack every linear (layers and head) once, as `plan` measured fastest here, in plan.dtype. `quantized`:
+        weights by this model's names (`layers.3.qkv`, `embed`) to pack from those blocks instead of the
+        parameters (`load_gguf`).
 
         A tied head stays a weight with row access (plain or transposed storage, whichever `plan`
         measured faster): the embedding lookup reads its rows, so no second copy is kept. The cost,
@@ -309,10 +316,13 @@ class Llama(nn.Module):
         unpacks."""
         if self.prepared:
             raise ValueError("this model is already prepared for inference")
+        quantized = quantized or {}
         with torch.no_grad():
-            for layer in self.layers:
-                layer.prepare_inference(plan)
-            head = plan.pack(self.lm_head, head=True, tied=self.cfg.tie_word_embeddings)
+            for i, layer in enumerate(self.layers):
+                layer.prepare_inference(plan, {name.rpartition(".")[2]: value for name, value in quantized.items()
+                                               if name.startswith(f"layers.{i}.")})
+            tied = self.cfg.tie_word_embeddings
+            head = plan.pack(quantized.get("embed" if tied else "lm_head", self.lm_head), head=True, tied=tied)
             if self.cfg.tie_word_embeddings:
                 _set_weight(self, "embed", head)
             else:
@@ -420,6 +430,30 @@ class Llama(nn.Module):
                     if not torch.isfinite(target).all():
                         raise WeightsMismatch(f"{part}: not finite floating-point values")
                     offset += rows
+
+    def load_gguf(self, path: Path, plan: "Calibration") -> "Llama":
+        """Serve a GGUF's tensors as they ship: its Q4_1 and Q8_0 blocks become the packed weights with no float
+        copy between (`gguf_reader`), its F32 ones (the norms) are copied in; then `prepare_inference(plan)`.
+        WeightsMismatch for a missing tensor or a shape that does not fit."""
+        from specrl.models.gguf_reader import read_gguf
+
+        cfg = self.cfg
+        tensors = read_gguf(path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+        params, quantized = self._weights(), {}
+        for name, parts in hf_layout(cfg).items():
+            missing = [part for part in parts if part not in tensors]
+            if missing:
+                raise WeightsMismatch(f"{Path(path).name} has no tensor for {missing[0]!r}")
+            values = [tensors[part] for part in parts]
+            value = torch.cat(values) if all(isinstance(v, torch.Tensor) for v in values) else cat_rows(values)
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise WeightsMismatch(f"{name}: {Path(path).name} holds {list(value.shape)}, not {list(params[name].shape)}")
+            if isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    params[name].copy_(value)
+            else:
+                quantized[name] = value
+        return self.prepare_inference(plan, quantized)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """This model's weights under HF Llama names (the inverse of `load_hf_state`), unpacked."""
@@ -553,5 +587,8 @@ def load_llama(model_dir: Path, plan: "Calibration | None" = None) -> Llama:
     if not (model_dir / "config.json").is_file():
         raise ModelNotFoundError(f"{model_dir} has no config.json")
     model = Llama(LlamaConfig.from_dir(model_dir), dtype=plan.dtype if plan is not None else torch.float32)
+    ggufs = sorted(model_dir.glob("*.gguf"))
+    if plan is not None and plan.weight_dtype == torch.quint4x2 and len(ggufs) == 1:
+        return model.load_gguf(ggufs[0], plan)  # 4 bits as the model ships them (assets keep its GGUF beside)
     model.load_hf_state(TensorSource.from_dir(model_dir))
     return model.prepare_inference(plan) if plan is not None else model

@@ -115,6 +115,15 @@ class Q4Weight:
 QUANTIZED = (Int8Weight, Q4Weight)  # weights that come with their scales: packed as they are
 
 
+def cat_rows(parts: "list[Int8Weight | Q4Weight]") -> "Int8Weight | Q4Weight":
+    """Weights of one format stacked along OUT (q, k, v into qkv), each field concatenated."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1 or not kinds <= set(QUANTIZED):
+        raise ValueError(f"cannot stack {sorted(k.__name__ for k in kinds)} into one weight")
+    kind = kinds.pop()
+    return kind(**{name: torch.cat([getattr(p, name) for p in parts]) for name in kind.__dataclass_fields__})
+
+
 def bytes_per_weight(dtype: torch.dtype) -> float:
     """Bytes a weight of the format `dtype` streams, its scales included: int8 1 + 4/32 (a float32 scale per
     group), q4 1/2 + 4/32 (two float16 per group); a float dtype its element size."""

@@ -10,7 +10,7 @@ import torch
 
 from specrl.models.calibration import HEAD_BUCKETS, BUCKETS, Calibration, Choice
 from specrl.models.drafter import EagleDrafter
-from specrl.models.linear import STORAGES, PackedLinear
+from specrl.models.linear import STORAGES, PackedLinear, cpu_kernels
 from specrl.models.llama import load_llama
 
 
@@ -304,3 +304,26 @@ def test_positions_past_the_cache_are_refused(tiny_dir):
     cache = model.new_cache(num_slots=3, max_len=8)
     with torch.inference_mode(), pytest.raises(ValueError, match="do not fit a KV cache of 8 positions"):
         model(torch.zeros(2, 2, dtype=torch.long), torch.tensor([2, 0]), torch.tensor([3, 7]), cache)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.int8, torch.quint4x2])
+def test_the_streamed_layers_in_one_loop_equal_one_module_call_each(tiny_dir, weight_dtype):
+    """A decode or verify step whose layers all stream runs them in one loop with shared buffers
+    (`Llama._forward_streamed`): the same bits as each layer's own module call, and the same cache writes."""
+    from specrl.models.kv_cache import CacheBatch
+
+    if cpu_kernels is None:
+        pytest.skip("the stream kernel is not built")
+    model = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, weight_dtype))
+    tokens, slots, start = torch.tensor([[3, 17, 5], [9, 2, 40]]), torch.tensor([0, 1]), torch.tensor([4, 7])
+    caches = [model.new_cache(2, 16), model.new_cache(2, 16)]
+    with torch.inference_mode():
+        looped = model(tokens, slots, start, caches[0])
+        batch = CacheBatch(caches[1], slots, start, tokens.shape[1])
+        assert batch.fused and all(layer.streams(model.embed_tokens(tokens)) for layer in model.layers)
+        cos, sin = model.rope.tables(batch.positions)
+        x = model.embed_tokens(tokens)
+        for i, layer in enumerate(model.layers):
+            x = layer(x, cos, sin, batch, i)
+    assert torch.equal(looped, x.float())
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

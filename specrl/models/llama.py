@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specrl.assets import MANIFEST
 from specrl.errors import ModelNotFoundError
 from specrl.models.kv_cache import CacheBatch, KVCache
 from specrl.models.linear import KIND, PackedLinear, cpu_kernels, linear, plain_weight
@@ -604,6 +605,19 @@ def load_llama_head(model_dir: Path) -> Llama:
     return model
 
 
+def shipped_gguf(model_dir: Path) -> Path | None:
+    """The GGUF a fetched model directory was converted from, kept beside it (`specrl.assets`), when its
+    manifest names it: a directory copied and changed (a trainer's policy, a perturbed copy) carries no asset
+    manifest, so its safetensors, not a GGUF of other weights, are what it holds."""
+    try:
+        source = json.loads((Path(model_dir) / MANIFEST).read_text()).get("source", {})
+    except (OSError, ValueError):
+        return None
+    member = source.get("member", "") if isinstance(source, dict) else ""
+    path = Path(model_dir) / Path(member).name
+    return path if member.endswith(".gguf") and path.is_file() else None
+
+
 def load_llama(model_dir: Path, plan: "Calibration | None" = None) -> Llama:
     """Build the target from an HF safetensors directory (config.json + *.safetensors).
 
@@ -613,8 +627,8 @@ def load_llama(model_dir: Path, plan: "Calibration | None" = None) -> Llama:
     if not (model_dir / "config.json").is_file():
         raise ModelNotFoundError(f"{model_dir} has no config.json")
     model = Llama(LlamaConfig.from_dir(model_dir), dtype=plan.dtype if plan is not None else torch.float32)
-    ggufs = sorted(model_dir.glob("*.gguf"))
-    if plan is not None and plan.weight_dtype == torch.quint4x2 and len(ggufs) == 1:
-        return model.load_gguf(ggufs[0], plan)  # 4 bits as the model ships them (assets keep its GGUF beside)
+    gguf = shipped_gguf(model_dir) if plan is not None and plan.weight_dtype == torch.quint4x2 else None
+    if gguf is not None:
+        return model.load_gguf(gguf, plan)  # 4 bits as the model ships them
     model.load_hf_state(TensorSource.from_dir(model_dir))
     return model.prepare_inference(plan) if plan is not None else model

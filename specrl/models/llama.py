@@ -10,7 +10,7 @@ Weights are plain tensors fused at load time (q|k|v, gate|up), read straight fro
 safetensors files into the parameters. For serving, `load_llama(dir, plan)` then packs every
 linear once as the start-up calibration chose for this CPU (`specrl.models.calibration`),
 its weights in float32, float16, bfloat16, int8 or 4-bit and everything else in float32; a 4-bit model whose
-directory holds its GGUF is served from the GGUF's blocks as they ship (`load_gguf`). Training builds and
+directory holds its GGUF is served from the GGUF's blocks as they ship (`gguf_reader.load_gguf`). Training builds and
 backpropagates through the plain form (which also runs in bfloat16 throughout).
 
 A decode or verify step (float32 activations) whose four linears all take the stream kernel runs each layer as
@@ -36,11 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specrl.assets import MANIFEST
 from specrl.errors import ModelNotFoundError
 from specrl.models.kv_cache import CacheBatch, KVCache
 from specrl.models.linear import KIND, PackedLinear, cpu_kernels, linear, plain_weight
-from specrl.models.quantize import Int8Weight, Q4Weight, cat_rows
+from specrl.models.quantize import Int8Weight, Q4Weight
 
 if TYPE_CHECKING:
     from specrl.models.calibration import Calibration
@@ -318,7 +317,7 @@ class Llama(nn.Module):
                           quantized: "dict[str, Int8Weight | Q4Weight] | None" = None) -> "Llama":
         """Pack every linear (layers and head) once, as `plan` measured fastest here, in plan.dtype. `quantized`:
         weights by this model's names (`layers.3.qkv`, `embed`) to pack from those blocks instead of the
-        parameters (`load_gguf`).
+        parameters (`gguf_reader.load_gguf`).
 
         A tied head stays a weight with row access (plain or transposed storage, whichever `plan`
         measured faster): the embedding lookup reads its rows, so no second copy is kept. The cost,
@@ -458,30 +457,6 @@ class Llama(nn.Module):
                         raise WeightsMismatch(f"{part}: not finite floating-point values")
                     offset += rows
 
-    def load_gguf(self, path: Path, plan: "Calibration") -> "Llama":
-        """Serve a GGUF's tensors as they ship: its Q4_1 and Q8_0 blocks become the packed weights with no float
-        copy between (`gguf_reader`), its F32 ones (the norms) are copied in; then `prepare_inference(plan)`.
-        WeightsMismatch for a missing tensor or a shape that does not fit."""
-        from specrl.models.gguf_reader import read_gguf
-
-        cfg = self.cfg
-        tensors = read_gguf(path, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
-        params, quantized = self._weights(), {}
-        for name, parts in hf_layout(cfg).items():
-            missing = [part for part in parts if part not in tensors]
-            if missing:
-                raise WeightsMismatch(f"{Path(path).name} has no tensor for {missing[0]!r}")
-            values = [tensors[part] for part in parts]
-            value = torch.cat(values) if all(isinstance(v, torch.Tensor) for v in values) else cat_rows(values)
-            if tuple(value.shape) != tuple(params[name].shape):
-                raise WeightsMismatch(f"{name}: {Path(path).name} holds {list(value.shape)}, not {list(params[name].shape)}")
-            if isinstance(value, torch.Tensor):
-                with torch.no_grad():
-                    params[name].copy_(value)
-            else:
-                quantized[name] = value
-        return self.prepare_inference(plan, quantized)
-
     def hf_state(self) -> dict[str, torch.Tensor]:
         """This model's weights under HF Llama names (the inverse of `load_hf_state`), unpacked."""
         cfg = self.cfg
@@ -605,19 +580,6 @@ def load_llama_head(model_dir: Path) -> Llama:
     return model
 
 
-def shipped_gguf(model_dir: Path) -> Path | None:
-    """The GGUF a fetched model directory was converted from, kept beside it (`specrl.assets`), when its
-    manifest names it: a directory copied and changed (a trainer's policy, a perturbed copy) carries no asset
-    manifest, so its safetensors, not a GGUF of other weights, are what it holds."""
-    try:
-        source = json.loads((Path(model_dir) / MANIFEST).read_text()).get("source", {})
-    except (OSError, ValueError):
-        return None
-    member = source.get("member", "") if isinstance(source, dict) else ""
-    path = Path(model_dir) / Path(member).name
-    return path if member.endswith(".gguf") and path.is_file() else None
-
-
 def load_llama(model_dir: Path, plan: "Calibration | None" = None) -> Llama:
     """Build the target from an HF safetensors directory (config.json + *.safetensors).
 
@@ -627,8 +589,11 @@ def load_llama(model_dir: Path, plan: "Calibration | None" = None) -> Llama:
     if not (model_dir / "config.json").is_file():
         raise ModelNotFoundError(f"{model_dir} has no config.json")
     model = Llama(LlamaConfig.from_dir(model_dir), dtype=plan.dtype if plan is not None else torch.float32)
-    gguf = shipped_gguf(model_dir) if plan is not None and plan.weight_dtype == torch.quint4x2 else None
-    if gguf is not None:
-        return model.load_gguf(gguf, plan)  # 4 bits as the model ships them
+    if plan is not None and plan.weight_dtype == torch.quint4x2:
+        from specrl.models.gguf_reader import load_gguf, shipped_gguf
+
+        gguf = shipped_gguf(model_dir)
+        if gguf is not None:
+            return load_gguf(model, gguf, plan)  # 4 bits as the model ships them
     model.load_hf_state(TensorSource.from_dir(model_dir))
     return model.prepare_inference(plan) if plan is not None else model

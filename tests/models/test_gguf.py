@@ -79,7 +79,7 @@ def test_only_a_fetched_directory_whose_manifest_names_its_gguf_is_served_from_i
     but not the asset manifest: it is read from its safetensors."""
     import json
 
-    from specrl.models.llama import shipped_gguf
+    from specrl.models.gguf_reader import shipped_gguf
 
     fetched = tmp_path / "fetched"
     fetched.mkdir()

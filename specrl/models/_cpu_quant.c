@@ -181,93 +181,72 @@ static void blocks_portable(const acts *a, const uint8_t *w, float *out, int64_t
         }
 }
 
-/* ---- AVX-512 VNNI: tiles of up to ROWS rows x NB blocks (one 16-lane vector a block; NB = 1) ------- */
+/* ---- AVX-512 VNNI: one block a tile, one 16-lane vector --------------------------------------- */
 
 #define VNNI "avx512f,avx512bw,avx512vnni,f16c"
 
-/* The group's integer sums s[i][v] for MR rows and NB blocks; int8 rows start at -128 * sum(xq). */
-#define VNNI_SUMS_I8(MR, NB)                                                                                          \
-    UNROLL for (int i = 0; i < MR; i++)                                                                               \
-        UNROLL for (int v = 0; v < NB; v++) s[i][v] = _mm512_set1_epi32(-128 * a->qsum[(m0 + i) * G + g]);            \
+/* The group's integer sums s[i] of MR rows; int8 rows start at -128 * sum(xq). */
+#define VNNI_SUMS_I8(MR)                                                                                              \
+    UNROLL for (int i = 0; i < MR; i++) s[i] = _mm512_set1_epi32(-128 * a->qsum[(m0 + i) * G + g]);                \
     UNROLL for (int r = 0; r < 8; r++) {                                                                              \
-        __m512i wv[NB];                                                                                               \
-        UNROLL for (int v = 0; v < NB; v++) {                                                                         \
-            wv[v] = _mm512_loadu_si512(grp[v] + r * 64);                                                              \
-        }                                                                                                             \
-        UNROLL for (int i = 0; i < MR; i++) {                                                                         \
-            const __m512i xb = _mm512_set1_epi32(four_bytes(a->q + (m0 + i) * K + g * GROUP + 4 * r));                \
-            UNROLL for (int v = 0; v < NB; v++) s[i][v] = _mm512_dpbusd_epi32(s[i][v], wv[v], xb);                    \
-        }                                                                                                             \
+        const __m512i wv = _mm512_loadu_si512(grp + r * 64);                                                          \
+        UNROLL for (int i = 0; i < MR; i++)                                                                           \
+            s[i] = _mm512_dpbusd_epi32(s[i], wv, _mm512_set1_epi32(four_bytes(a->q + (m0 + i) * K + g * GROUP + 4 * r))); \
     }
 
-#define VNNI_SUMS_Q4(MR, NB)                                                                                          \
-    UNROLL for (int i = 0; i < MR; i++)                                                                               \
-        UNROLL for (int v = 0; v < NB; v++) s[i][v] = _mm512_setzero_si512();                                         \
+#define VNNI_SUMS_Q4(MR)                                                                                              \
+    UNROLL for (int i = 0; i < MR; i++) s[i] = _mm512_setzero_si512();                                              \
     UNROLL for (int r = 0; r < 4; r++) {                                                                              \
-        __m512i bytes[NB], nib[NB];                                                                                   \
-        UNROLL for (int v = 0; v < NB; v++) {                                                                         \
-            bytes[v] = _mm512_loadu_si512(grp[v] + r * 64);                                                           \
-        }                                                                                                             \
+        const __m512i bytes = _mm512_loadu_si512(grp + r * 64);                                                       \
         UNROLL for (int half = 0; half < 2; half++) { /* low nibbles: inputs 8r..8r+3; high: 8r+4..8r+7 */            \
-            UNROLL for (int v = 0; v < NB; v++)                                                                       \
-                nib[v] = _mm512_and_si512(half ? _mm512_srli_epi16(bytes[v], 4) : bytes[v], low4);                    \
-            UNROLL for (int i = 0; i < MR; i++) {                                                                     \
-                const __m512i xb =                                                                                    \
-                    _mm512_set1_epi32(four_bytes(a->q + (m0 + i) * K + g * GROUP + 8 * r + 4 * half));                \
-                UNROLL for (int v = 0; v < NB; v++) s[i][v] = _mm512_dpbusd_epi32(s[i][v], nib[v], xb);               \
-            }                                                                                                         \
+            const __m512i nib = _mm512_and_si512(half ? _mm512_srli_epi16(bytes, 4) : bytes, low4);                   \
+            UNROLL for (int i = 0; i < MR; i++)                                                                       \
+                s[i] = _mm512_dpbusd_epi32(                                                                           \
+                    s[i], nib, _mm512_set1_epi32(four_bytes(a->q + (m0 + i) * K + g * GROUP + 8 * r + 4 * half)));  \
         }                                                                                                             \
     }
 
-#define VNNI_TILE(KIND, SUMS, MR, NB, SUF)                                                                            \
-    __attribute__((target(VNNI))) static void vnni_##KIND##_##MR##_##SUF(                                             \
-        const acts *a, const uint8_t *w, float *out, int64_t K, int64_t N, int64_t m0, int64_t b0) {                  \
+#define VNNI_TILE(KIND, SUMS, MR)                                                                                     \
+    __attribute__((target(VNNI))) static void vnni_##KIND##_##MR(const acts *a, const uint8_t *w, float *out,         \
+                                                                 int64_t K, int64_t N, int64_t m0, int64_t b0) {      \
         const int64_t G = K / GROUP;                                                                                  \
-        const size_t gb = group_bytes(KIND);                                                                          \
         const __m512i low4 = _mm512_set1_epi8(15);                                                                    \
         (void)low4;                                                                                                   \
-        __m512 acc[MR][NB];                                                                                           \
-        UNROLL for (int i = 0; i < MR; i++)                                                                           \
-            UNROLL for (int v = 0; v < NB; v++) acc[i][v] = _mm512_setzero_ps();                                      \
+        __m512 acc[MR];                                                                                               \
+        UNROLL for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();                                             \
         for (int64_t g = 0; g < G; g++) {                                                                             \
-            const uint8_t *grp[NB];                                                                                   \
-            UNROLL for (int v = 0; v < NB; v++) grp[v] = w + ((size_t)(b0 + v) * G + g) * gb;                         \
-            __m512i s[MR][NB];                                                                                        \
-            SUMS(MR, NB)                                                                                              \
-            UNROLL for (int v = 0; v < NB; v++) {                                                                     \
-                if (KIND == KIND_I8) {                                                                                \
-                    const __m512 scale = _mm512_loadu_ps((const float *)(grp[v] + 512));                              \
-                    UNROLL for (int i = 0; i < MR; i++)                                                               \
-                        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][v]),                                      \
-                                                    _mm512_mul_ps(scale, _mm512_set1_ps(a->scale[(m0 + i) * G + g])), \
-                                                    acc[i][v]);                                                       \
-                } else {                                                                                              \
-                    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp[v] + 256)));            \
-                    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp[v] + 288)));           \
-                    UNROLL for (int i = 0; i < MR; i++) {                                                             \
-                        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][v]),                                      \
-                                                    _mm512_mul_ps(d, _mm512_set1_ps(a->scale[(m0 + i) * G + g])),     \
-                                                    acc[i][v]);                                                       \
-                        acc[i][v] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sum[(m0 + i) * G + g]), acc[i][v]);         \
-                    }                                                                                                 \
+            const uint8_t *grp = w + ((size_t)b0 * G + g) * group_bytes(KIND);                                        \
+            __m512i s[MR];                                                                                            \
+            SUMS(MR)                                                                                                  \
+            if (KIND == KIND_I8) {                                                                                    \
+                const __m512 scale = _mm512_loadu_ps((const float *)(grp + 512));                                     \
+                UNROLL for (int i = 0; i < MR; i++)                                                                   \
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]),                                                \
+                                             _mm512_mul_ps(scale, _mm512_set1_ps(a->scale[(m0 + i) * G + g])), acc[i]); \
+            } else {                                                                                                  \
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 256)));                   \
+                const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 288)));                  \
+                UNROLL for (int i = 0; i < MR; i++) {                                                                 \
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]),                                                \
+                                             _mm512_mul_ps(d, _mm512_set1_ps(a->scale[(m0 + i) * G + g])), acc[i]);   \
+                    acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sum[(m0 + i) * G + g]), acc[i]);                   \
                 }                                                                                                     \
             }                                                                                                         \
         }                                                                                                             \
-        UNROLL for (int i = 0; i < MR; i++)                                                                           \
-            UNROLL for (int v = 0; v < NB; v++) _mm512_storeu_ps(out + (m0 + i) * N + (b0 + v) * BLOCK, acc[i][v]);   \
+        UNROLL for (int i = 0; i < MR; i++) _mm512_storeu_ps(out + (m0 + i) * N + b0 * BLOCK, acc[i]);                \
     }
 
-#define VNNI_TILES(KIND, SUMS, NB, SUF)                                                                               \
-    VNNI_TILE(KIND, SUMS, 1, NB, SUF) VNNI_TILE(KIND, SUMS, 2, NB, SUF) VNNI_TILE(KIND, SUMS, 3, NB, SUF)             \
-    VNNI_TILE(KIND, SUMS, 4, NB, SUF) VNNI_TILE(KIND, SUMS, 5, NB, SUF) VNNI_TILE(KIND, SUMS, 6, NB, SUF)
-VNNI_TILES(KIND_I8, VNNI_SUMS_I8, 1, 1)
-VNNI_TILES(KIND_Q4, VNNI_SUMS_Q4, 1, 1)
+#define VNNI_TILES(KIND, SUMS)                                                                                        \
+    VNNI_TILE(KIND, SUMS, 1) VNNI_TILE(KIND, SUMS, 2) VNNI_TILE(KIND, SUMS, 3)                                        \
+    VNNI_TILE(KIND, SUMS, 4) VNNI_TILE(KIND, SUMS, 5) VNNI_TILE(KIND, SUMS, 6)
+VNNI_TILES(KIND_I8, VNNI_SUMS_I8)
+VNNI_TILES(KIND_Q4, VNNI_SUMS_Q4)
 
 typedef void (*tile_fn)(const acts *, const uint8_t *, float *, int64_t, int64_t, int64_t, int64_t);
-#define TILE_TABLE(PREFIX, KIND, NB)                                                                                  \
-    {NULL, PREFIX##_##KIND##_1_##NB, PREFIX##_##KIND##_2_##NB, PREFIX##_##KIND##_3_##NB,                              \
-     PREFIX##_##KIND##_4_##NB, PREFIX##_##KIND##_5_##NB, PREFIX##_##KIND##_6_##NB}
-static const tile_fn vnni_i8_1[] = TILE_TABLE(vnni, KIND_I8, 1), vnni_q4_1[] = TILE_TABLE(vnni, KIND_Q4, 1);
+#define TILE_TABLE(PREFIX, KIND)                                                                                      \
+    {NULL, PREFIX##_##KIND##_1, PREFIX##_##KIND##_2, PREFIX##_##KIND##_3,                                             \
+     PREFIX##_##KIND##_4, PREFIX##_##KIND##_5, PREFIX##_##KIND##_6}
+static const tile_fn vnni_i8[] = TILE_TABLE(vnni, KIND_I8), vnni_q4[] = TILE_TABLE(vnni, KIND_Q4);
 
 /* ---- AVX2: one block a tile, two 8-lane vectors ---------------------------------------------- */
 
@@ -310,7 +289,7 @@ __attribute__((target(AVX2))) static inline __m256i madd_u8s8(__m256i u, __m256i
     }
 
 #define AVX2_TILE(KIND, SUMS, MR)                                                                                     \
-    __attribute__((target(AVX2))) static void avx2_##KIND##_##MR##_1(                                                 \
+    __attribute__((target(AVX2))) static void avx2_##KIND##_##MR(                                                 \
         const acts *a, const uint8_t *w, float *out, int64_t K, int64_t N, int64_t m0, int64_t b0) {                  \
         const int64_t G = K / GROUP;                                                                                  \
         const size_t gb = group_bytes(KIND);                                                                          \
@@ -350,7 +329,7 @@ __attribute__((target(AVX2))) static inline __m256i madd_u8s8(__m256i u, __m256i
     AVX2_TILE(KIND, SUMS, 4) AVX2_TILE(KIND, SUMS, 5) AVX2_TILE(KIND, SUMS, 6)
 AVX2_TILES(KIND_I8, AVX2_SUMS_I8)
 AVX2_TILES(KIND_Q4, AVX2_SUMS_Q4)
-static const tile_fn avx2_i8_1[] = TILE_TABLE(avx2, KIND_I8, 1), avx2_q4_1[] = TILE_TABLE(avx2, KIND_Q4, 1);
+static const tile_fn avx2_i8[] = TILE_TABLE(avx2, KIND_I8), avx2_q4[] = TILE_TABLE(avx2, KIND_Q4);
 
 /* ---- dispatch ---------------------------------------------------------------------------- */
 
@@ -367,7 +346,7 @@ const char *quant_path_name(void) {
     return names[quant_path(QUANT_BEST)];
 }
 
-/* The blocks of one tile width from b0, for every row: ceil(M / ROWS) tiles of near-equal rows (8 rows: 4 + 4,
+/* Block b0 for every row: ceil(M / ROWS) tiles of near-equal rows (8 rows: 4 + 4,
  * not 6 + 2: each tile re-reads the weights from L1 and unpacks them again, whatever its rows). */
 static void run_blocks(const tile_fn *tiles, const acts *a, const uint8_t *w, float *out, int64_t M, int64_t K,
                        int64_t N, int64_t b0) {
@@ -386,7 +365,7 @@ int gemm_quant(const float *x, const void *w, float *out, int64_t M, int64_t K, 
     if (quantize_rows(x, M, K, path == Q_VNNI ? quantize_group_avx512 : path == Q_AVX2 ? quantize_group_avx2 : quantize_group_c,
                       &a))
         return -1;
-    const tile_fn *tiles = path == Q_VNNI ? (i8 ? vnni_i8_1 : vnni_q4_1) : (i8 ? avx2_i8_1 : avx2_q4_1);
+    const tile_fn *tiles = path == Q_VNNI ? (i8 ? vnni_i8 : vnni_q4) : (i8 ? avx2_i8 : avx2_q4);
     /* blocks in static chunks, a few per thread: each thread streams one contiguous range */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < N / BLOCK; b++) {

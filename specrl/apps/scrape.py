@@ -35,6 +35,15 @@ def _get(url: str) -> str | None:
         return None
 
 
+def engine_info(url: str) -> dict[str, str] | None:
+    """What the server at `url` serves: its `specrl_engine_info` labels (backend, dtype and why), or None."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = _get(url + "/metrics")
+    families = text_string_to_metric_families(text) if text is not None else ()
+    return next((dict(f.samples[0].labels) for f in families if f.name == "specrl_engine_info" and f.samples), None)
+
+
 def token_uses(text: str) -> dict[str, float]:
     """`specrl_tokens_total{use=...}` of one /metrics page -> {use: tokens}."""
     return {m.group(1): float(m.group(2)) for m in map(TOKEN_USES.match, text.splitlines()) if m}

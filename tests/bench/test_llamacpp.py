@@ -1,4 +1,4 @@
-"""llama.cpp beside the native engine (`bench engine --backend native,llamacpp`): its binaries (given, cached,
+"""llama.cpp beside the native engine (`bench engine --backend native,llamacpp`, `bench adapt --llamacpp`): its binaries (given, cached,
 or built; a failed build is one line and no rows), its batched-bench output read into our rows, and the ratios.
 The real build and runs are a benchmark's, never a test's (minutes of compiling)."""
 
@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from specrl.apps.bench import llamacpp
+from specrl.apps.bench import adapt_report, llamacpp
 from specrl.apps.bench.backends import parse_backends
 from specrl.apps.bench.llamacpp import Build
 from specrl.apps.cli import main
@@ -112,3 +112,30 @@ def test_only_bench_engine_takes_the_llamacpp_backend(capsys):
         parse_backends("native,llamacpp")
     assert main(["bench", "serve", "--backend", "native,llamacpp"]) == 1
     assert "unknown backend llamacpp" in capsys.readouterr().err
+
+
+def test_bench_adapt_compares_a_checkpoint_with_llamacpps_fastest_row_at_each_batch_size():
+    """`bench adapt --llamacpp`: end-to-end tokens/s (prompt included on both sides) over llama.cpp's best row of
+    any format at the same B; a B llama.cpp has no row for is left out."""
+    rows = [{"engine": "llamacpp_int8", "batch_size": 1, "tokens_per_s": 100.0},
+            {"engine": "llamacpp_q4", "batch_size": 1, "tokens_per_s": 125.0},
+            {"engine": "llamacpp_q4", "batch_size": 4, "tokens_per_s": 200.0},
+            {"engine": "llamacpp_int8", "batch_size": 4, "tokens_per_s": 240.0}]
+    checkpoint = {"plain": {"b1": {"tokens_per_s": 150.0}, "b4": {"tokens_per_s": 480.0}},
+                  "drafters": {"online+suffix": {"b1": {"tokens_per_s": 300.0}, "b4": {"tokens_per_s": 600.0}},
+                               "suffix": {"b1": {"tokens_per_s": 250.0}}}}
+    ratios = adapt_report.over_llamacpp_best(checkpoint, rows)
+    assert ratios["b1"] == {"llamacpp": "llamacpp_q4", "llamacpp_tokens_per_s": 125.0, "plain": 1.2,
+                            "online+suffix": 2.4, "suffix": 2.0}
+    assert ratios["b4"] == {"llamacpp": "llamacpp_int8", "llamacpp_tokens_per_s": 240.0, "plain": 2.0,
+                            "online+suffix": 2.5}
+    assert adapt_report.over_llamacpp_best(checkpoint, rows[:2]).keys() == {"b1"}
+    assert adapt_report.over_llamacpp_best({"plain": {"b1": {"tokens_per_s": 1.0}}, "drafters": {}}, []) == {}
+
+
+def test_bench_adapt_refuses_binaries_without_llamacpps_targets_before_it_starts(tmp_path, capsys):
+    assert main(["bench", "adapt", "--llamacpp-bin", str(tmp_path), "--model", "tiny-random", "--minutes", "0.1",
+                 "--home", str(tmp_path / "home")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no llama-batched-bench" in err[0]
+    assert not (tmp_path / "home" / "reports").exists() or not any((tmp_path / "home" / "reports").iterdir())

@@ -67,13 +67,14 @@ from pathlib import Path
 
 import torch
 
-from specrl.apps.bench import adapt_report, cpu_use
+from specrl.apps.bench import adapt_report, cpu_use, llamacpp
 from specrl.apps.bench.adapt_meter import FIXED_K, NEW_TOKENS, Meter
 from specrl.apps.bench.backends import machine_record
 from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.apps.traffic import Traffic
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError, SpecrlError
+from specrl.models.calibration import cpu_info
 from specrl.telemetry.event_log import read_events
 from specrl.telemetry.fleet import FleetFeed
 
@@ -85,6 +86,7 @@ TRAFFIC_TOKENS = 64
 POLL_S = 0.5
 SERVED_EVERY_S = 5.0
 CHILD_THREADS = max(1, (os.cpu_count() or 2) // 2)
+LLAMACPP_DTYPES = ("int8", "q4")  # llama.cpp's fastest formats (Q8_0, Q4_1): its best is the faster of the two
 
 
 def register(sub) -> None:
@@ -94,21 +96,29 @@ def register(sub) -> None:
     p.add_argument("--objectives", default="kl", help="comma-separated: kl,kl_neg,pg (one run each)")
     p.add_argument("--shift", action="store_true", help="also run the domain-shift experiment")
     p.add_argument("--users", type=int, default=4)
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also run llama.cpp on the held-out prompts after the runs (its Q8_0 and Q4_1, B=1 and B=4) "
+                        "and compare the last checkpoint's tokens/s with its best")
+    p.add_argument("--llamacpp-bin", default=None, metavar="DIR",
+                   help="llama.cpp's binaries for --llamacpp (default: built once into <home>/llamacpp)")
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-adapt-<time>)")
-    add_settings(p, *COMMON, "model", "draft_vocab_size", "redis_url", "publish_every_s")
+    add_settings(p, *COMMON, "model", "dtype", "draft_vocab_size", "redis_url", "publish_every_s")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     objectives = [o for o in args.objectives.split(",") if o]
     run_adapt_bench(settings_from(args).with_env_redis(), minutes=args.minutes, objectives=objectives,
-                    shift=args.shift, users=args.users, out_dir=args.out)
+                    shift=args.shift, users=args.users, out_dir=args.out,
+                    llamacpp_bin=args.llamacpp_bin, with_llamacpp=args.llamacpp or bool(args.llamacpp_bin))
     return 0
 
 
 def run_adapt_bench(settings: Settings, minutes: float, objectives: list[str], shift: bool, users: int,
-                    out_dir: str | None) -> dict:
-    """Run every objective (and the shift run); print a table; write bench-adapt.json and .png."""
+                    out_dir: str | None, llamacpp_bin: str | None = None, with_llamacpp: bool = False) -> dict:
+    """Run every objective (and the shift run); print a table; write bench-adapt.json and .png.
+    with_llamacpp: llama.cpp's binaries (`llamacpp_bin`, else built into the cache home before the runs) measured
+    on the same held-out prompts after them."""
     from specrl.assets import resolve_model
     from specrl.trainer.objectives import OBJECTIVES
 
@@ -116,6 +126,9 @@ def run_adapt_bench(settings: Settings, minutes: float, objectives: list[str], s
     if not objectives or unknown or minutes <= 0 or users < 1:
         raise InvalidRequestError(f"--objectives must name some of {', '.join(OBJECTIVES)} (got {objectives}), "
                                   "--minutes must be > 0 and --users >= 1")
+    builds = llamacpp.builds(settings.home, llamacpp_bin, cpu_info()[1]) if with_llamacpp else []
+    if with_llamacpp and not builds:
+        _progress("no llama.cpp build: its rows are left out")
     out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-adapt-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     resolve_model(settings.model, settings.home)
@@ -123,7 +136,7 @@ def run_adapt_bench(settings: Settings, minutes: float, objectives: list[str], s
     torch.set_num_threads(settings.threads if settings.threads > 0 else CHILD_THREADS)
     try:
         _progress(f"loading {settings.model} for the measurements ({torch.get_num_threads()} threads)")
-        result = _run_all(settings, minutes, objectives, shift, users, Meter(settings), out)
+        result = _run_all(settings, minutes, objectives, shift, users, Meter(settings), out, builds)
     finally:
         torch.set_num_threads(threads)
     adapt_report.print_table(result)
@@ -134,7 +147,7 @@ def run_adapt_bench(settings: Settings, minutes: float, objectives: list[str], s
 
 
 def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: bool, users: int, meter: "Meter",
-             out: Path) -> dict:
+             out: Path, builds: list) -> dict:
     from specrl.apps.redis_server import RedisServer
 
     n = max(1, round(minutes / MEASURE_EVERY_MIN))
@@ -151,6 +164,7 @@ def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: b
         reports = [Run(spec, settings, redis.url, meter, out / spec.name, users).execute() for spec in runs]
     finally:
         redis.stop()
+    beside = _llamacpp_beside(settings, builds, meter.encode(runs[0].heldout)) if builds else None
     machine["end"] = machine_record()
     measurement = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "fixed_k": FIXED_K, "traffic_tokens": TRAFFIC_TOKENS,
                    "measure_every_min": MEASURE_EVERY_MIN, "mix": MIX, "shift_domains": SHIFT,
@@ -158,7 +172,19 @@ def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: b
                    "interference": "traffic drained and the trainer SIGSTOPped during every measurement; "
                                    "times are on the traffic clock (pauses excluded)"}
     return adapt_report.build_result(settings, minutes, objectives, shift, users, reports, bool(settings.redis_url),
-                                     measurement, CHILD_THREADS, machine)
+                                     measurement, CHILD_THREADS, machine, beside)
+
+
+def _llamacpp_beside(settings: Settings, builds: list, prompts: list[list[int]]) -> dict:
+    """llama.cpp on the held-out prompts' mean length, NEW_TOKENS new tokens, at B = 1 and 4, with the
+    measurement's threads, in each quantized type it has (its fastest formats): rows as bench engine's. Run after
+    the runs, with the server and trainer stopped, so nothing else competes for the cores."""
+    _progress(f"llama.cpp beside the last checkpoint: builds {', '.join(b.name for b in builds)}")
+    prompt_tokens = llamacpp.mean_prompt_tokens(prompts)
+    rows = llamacpp.llamacpp_rows(settings.home, builds, LLAMACPP_DTYPES, {d: "_" + d for d in LLAMACPP_DTYPES},
+                                  [1, 4], prompt_tokens, NEW_TOKENS, torch.get_num_threads())
+    return {"version": f"{llamacpp.SDIST[0]} {llamacpp.SDIST[1]}", "builds": {b.name: str(b.bin_dir) for b in builds},
+            "prompt_tokens": prompt_tokens, "new_tokens": NEW_TOKENS, "rows": rows}
 
 
 def _progress(message: str) -> None:
@@ -242,6 +268,7 @@ class Run:
 
     def _start(self) -> None:
         from specrl.apps.launch import free_port, spawn, wait_healthy
+        from specrl.apps.scrape import engine_info
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -251,10 +278,11 @@ class Run:
                   "--draft-vocab-size", str(self.settings.draft_vocab_size)]
         _progress(f"run={self.spec.name}: starting server and trainer (objective={self.spec.objective}, "
                   f"deployment={self.deployment}, logs in {self.out})")
-        self.children["server"] = spawn(["serve", *common, "--host", "127.0.0.1", "--port", str(port), "--drafter",
-                                          "day0", "--max-batch", str(self.settings.max_batch)], env,
+        self.children["server"] = spawn(["serve", *common, "--dtype", self.settings.dtype, "--host", "127.0.0.1", "--port",
+                                          str(port), "--drafter", "day0", "--max-batch", str(self.settings.max_batch)], env,
                                          self.out / "server.log")
         wait_healthy(self.url, self.children["server"], self.out / "server.log")
+        self.engine = engine_info(self.url)
         self.meter.reset_index()  # the meter's suffix index learns this run's traffic as another replica would
         self.feed = FleetFeed(self.redis_url, self.stream, "bench-meter", self.meter.index,
                               deployment=self.deployment).start()
@@ -288,7 +316,8 @@ class Run:
                 self.frozen = checkpoints[-1]["drafters"]["online"]["version"]
         return {"name": self.spec.name, "objective": self.spec.objective, "deployment": self.deployment,
                 "phases": [dataclasses.asdict(p) for p in self.spec.phases],
-                "heldout": [p.id for p in self.spec.heldout], "checkpoints": checkpoints, "frozen": self.frozen,
+                "heldout": [p.id for p in self.spec.heldout], "server_engine": self.engine,
+                "checkpoints": checkpoints, "frozen": self.frozen,
                 "traffic": {"requests": traffic.requests, "completion_tokens": traffic.tokens,
                             "failures": traffic.failures}, "publish_every_s": self.settings.publish_every_s,
                 "logs": {"server": str(self.out / "server.log"), "trainer": str(self.out / "trainer.log")}}

@@ -76,8 +76,10 @@ def lag(arrivals: list[tuple[int, int]], polls: list, publishes: list[float], cl
 
 # ---- report -----------------------------------------------------------------------------------
 def build_result(settings: Settings, minutes: float, objectives: list[str], shift: bool, users: int, runs: list[dict],
-                 redis_external: bool, measurement: dict, child_threads: int, machine: dict) -> dict:
-    """The whole report: environment, settings, the measurement plan, per-run summary and raw runs."""
+                 redis_external: bool, measurement: dict, child_threads: int, machine: dict,
+                 llamacpp: dict | None = None) -> dict:
+    """The whole report: environment, settings, the measurement plan, per-run summary and raw runs; with
+    `llamacpp` (its rows on the held-out prompts), each run's last checkpoint over llama.cpp's best."""
     import transformers
 
     summary = {}
@@ -106,7 +108,10 @@ def build_result(settings: Settings, minutes: float, objectives: list[str], shif
             entry["online_over_frozen_b4"] = (online["b4"]["tokens_per_s"] / frozen["b4"]["tokens_per_s"]
                                               if "b4" in online else None)
             entry["frozen_version"] = frozen["version"]
+        if llamacpp:
+            entry["over_llamacpp_best"] = over_llamacpp_best(last, llamacpp["rows"])
         summary[run["name"]] = entry
+    extra = {"llamacpp": llamacpp} if llamacpp else {}
     return {
         "command": sys.argv, "timestamp": datetime.now().astimezone().isoformat(timespec="seconds"),
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
@@ -115,8 +120,28 @@ def build_result(settings: Settings, minutes: float, objectives: list[str], shif
         "minutes": minutes, "objectives": objectives, "shift": shift, "users": users,
         "redis": "REDIS_URL" if redis_external else "embedded valkey",
         "measurement": measurement,
-        "summary": summary, "runs": runs,
+        "summary": summary, "runs": runs, **extra,
     }
+
+
+def llamacpp_best(rows: list[dict], key: str) -> dict | None:
+    """llama.cpp's fastest row (end-to-end tokens/s: its prompt and its generation) at B = 1 ("b1") or 4 ("b4")."""
+    at = [r for r in rows if r["batch_size"] == int(key[1:])]
+    return max(at, key=lambda r: r["tokens_per_s"]) if at else None
+
+
+def over_llamacpp_best(checkpoint: dict, rows: list[dict]) -> dict:
+    """-> {"b1"/"b4": {"llamacpp": its best row's engine, "plain": ratio, configuration: ratio}}: a checkpoint's
+    end-to-end tokens/s (prompt included, as llama.cpp's) over llama.cpp's best at the same B."""
+    out = {}
+    for key in ("b1", "b4"):
+        best = llamacpp_best(rows, key)
+        if best is None or key not in checkpoint["plain"]:
+            continue
+        ours = {"plain": checkpoint["plain"][key], **{n: d[key] for n, d in checkpoint["drafters"].items() if key in d}}
+        out[key] = {"llamacpp": best["engine"], "llamacpp_tokens_per_s": best["tokens_per_s"],
+                    **{name: speed["tokens_per_s"] / best["tokens_per_s"] for name, speed in ours.items()}}
+    return out
 
 
 CONFIGURATIONS = {"online": "head", "online+suffix": "hybrid", "suffix": "suffix index"}  # measured beside plain
@@ -146,6 +171,13 @@ def print_table(result: dict) -> None:
         for c in run["checkpoints"]:
             if "cpu" in c:  # reports written before 2026-12-04 lack it
                 print(f"{run['name']} {c['label']}: {cpu_use.describe(c['cpu'])}")
+    if "llamacpp" in result:
+        beside = result["llamacpp"]
+        print(f"llama.cpp {beside['version']} on the held-out prompts' mean length ({beside['prompt_tokens']} tokens, "
+              f"{beside['new_tokens']} new), after the runs:")
+        for r in beside["rows"]:
+            print(f"  {r['engine']:<22} B={r['batch_size']} {r['tokens_per_s']:6.1f} tok/s "
+                  f"(decode {r['decode_tokens_per_s']:.1f})")
     for run in result["runs"]:
         t, lag = run["throughput"], run["lag"]
         print(f"{run['name']}: {len(run['publishes'])} publishes; trainer {t['trained_records_per_s']:.2f} records/s "
@@ -158,6 +190,10 @@ def print_table(result: dict) -> None:
             parts = ", ".join(f"{use} {count:.0f}" for use, count in sorted(y["uses"].items()))
             print(f"{run['name']}: token yield {y['yield']:.2f} (useful {y['useful']:.0f} of {y['computed']:.0f} computed), "
                   f"trained share {fmt(y['trained_share'])}; {parts}")
+        for key, ratios in s.get("over_llamacpp_best", {}).items():
+            print(f"{run['name']} end, B={key[1:]}: tokens/s over llama.cpp's best ({ratios['llamacpp']}, "
+                  f"{ratios['llamacpp_tokens_per_s']:.1f} tok/s): "
+                  + ", ".join(f"{name} {value:.2f}x" for name, value in ratios.items() if not name.startswith("llamacpp")))
         if "online_over_frozen_b1" in s:
             print(f"{run['name']}: online / frozen ({s['frozen_version']}) tokens/s on held-out "
                   f"{shifted_to}: B=1 {s['online_over_frozen_b1']:.2f}x, B=4 {fmt(s['online_over_frozen_b4'])}x")
@@ -225,6 +261,7 @@ def plot(result: dict, path: Path) -> None:
             extra.set_ylabel(f"tokens/s B=1, held-out {shifted_to}")
     acc.set(ylabel=f"held-out: head's acceptance length (k={fixed_k}); tokens/step", xlabel="traffic minutes (vertical: publishes)")
     ratio.axhline(1.0, color="black", linewidth=0.8)
+    _llamacpp_lines(ratio, result)
     ratio.axhline(1.3, color="grey", linestyle=":", linewidth=0.8)
     ratio.set(ylabel="tokens/s over plain (held-out)", xlabel="traffic minutes")
     objectives.set(ylabel=f"acceptance length (k={fixed_k})", xlabel="traffic completion tokens (thousands)",
@@ -240,3 +277,15 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"bench adapt: {result['model']}, {result['minutes']:g} min of traffic per run, {result['users']} users")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _llamacpp_lines(ax, result: dict) -> None:
+    """llama.cpp's best B=1 end-to-end tokens/s, and twice it, on the ratio axis (over the first run's last plain)."""
+    if "llamacpp" not in result or not result["runs"]:
+        return
+    best = llamacpp_best(result["llamacpp"]["rows"], "b1")
+    if best is None:
+        return
+    level = best["tokens_per_s"] / result["runs"][0]["checkpoints"][-1]["plain"]["b1"]["tokens_per_s"]
+    ax.axhline(level, color="tab:red", linestyle="--", linewidth=0.9, label=f"{best['engine']} B=1 (best)")
+    ax.axhline(2 * level, color="tab:red", linestyle=":", linewidth=0.9, label="2x llama.cpp's best B=1")

@@ -274,7 +274,8 @@ def plot(result: dict, path: Path) -> None:
     for ax in (acc, ratio, objectives, extra, flow):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="x-small")
-    fig.suptitle(f"bench adapt: {result['model']}, {result['minutes']:g} min of traffic per run, {result['users']} users")
+    fig.suptitle(f"bench adapt: {result['model']} ({result['settings'].get('dtype', 'auto')} weights), "
+                 f"{result['minutes']:g} min of traffic per run, {result['users']} users")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -1,25 +1,24 @@
 """The admin API: which weights serve, which are stored, swap and roll back (bearer token).
 
-A swap verifies the stored version against its manifest, has the serving loop load and check it
-off the decode path and apply it at a step boundary, then moves the store's `current` pointer.
-One swap at a time: a second one while the first loads is refused (409). A failed swap changes
-nothing: the old weights keep serving.
+A swap (`specrl.serving.swaps`) verifies the stored version against its manifest, has the serving
+loop load and check it off the decode path and apply it at a step boundary, then moves the
+deployment's `current` (the store's pointer, and Redis's where there is one: every replica follows,
+`specrl.serving.follower`). One swap at a time: a second one while the first loads is refused (409).
+A failed swap changes nothing: the old weights keep serving, `current` stays.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
 from specrl.engine.swap import check_swap
-from specrl.errors import AuthError, ForbiddenError, InvalidRequestError, SpecrlError, SwapError, SwapInProgressError
+from specrl.errors import AuthError, ForbiddenError, InvalidRequestError, SwapInProgressError
+from specrl.serving.swaps import serving_versions, swap_to
 from specrl.weights.store import ROLES
-
-log = logging.getLogger("specrl.serving")
 
 
 class SwapBody(BaseModel):
@@ -70,27 +69,17 @@ async def rollback(body: RollbackBody, request: Request):
 
 
 async def _swap(request: Request, role: str, version: str, mode: str) -> dict:
+    """The swap on this replica, then the deployment's `current` moves to it: every other replica follows."""
     state = request.app.state
     check_swap(role, mode)
-    if role == "drafter" and not state.loop.has_drafter:
-        raise SwapError(state.loop.no_drafter_reason)
     if state.swap_lock.locked():
         raise SwapInProgressError("another swap is loading; retry when it is done")
     async with state.swap_lock:
-        try:
-            directory = await asyncio.to_thread(state.store.verify, role, version)
-            result = await state.loop.swap(role, version, mode, directory)
-            await asyncio.to_thread(state.store.set_current, role, version)
-        except SpecrlError:
-            state.metrics.swaps.labels(role, "failed").inc()
-            raise
-    state.metrics.swaps.labels(role, "ok").inc()
-    log.info("swap role=%s version=%s mode=%s load_ms=%.1f swap_ms=%.1f", role, version, mode,
-             result.load_ms, result.swap_ms)
+        result = await swap_to(state, role, version, mode, origin="admin")
+        await asyncio.to_thread(state.versions.set, role, version, mode)
     return {"role": role, "version": version, "mode": mode, "load_ms": round(result.load_ms, 2),
             "swap_ms": round(result.swap_ms, 2), "serving": _serving(request)}
 
 
 def _serving(request: Request) -> dict:
-    loop = request.app.state.loop
-    return {"policy": loop.target_version, "drafter": loop.drafter_version}
+    return serving_versions(request.app.state.loop)

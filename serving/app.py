@@ -5,7 +5,8 @@ metrics. Errors become OpenAI-shaped JSON in one place (`error_handlers`); with 
 
 The serving loop (`specrl.serving.loop.ServingLoop`: the native engine's thread or vLLM) runs the
 model; handlers only submit and await. What the routes share lives on `app.state`: `loop`,
-`settings`, `store`, `metrics`, `swap_lock`.
+`settings`, `store`, `versions` (the deployment's current versions), `metrics`, `swap_lock`. With
+`follow_current`, a `Follower` keeps this replica on the deployment's current versions.
 """
 
 from __future__ import annotations
@@ -22,22 +23,32 @@ from specrl.config import Settings
 from specrl.serving import admin_api, openai_api
 from specrl.serving.api_key import ApiKeyCheck
 from specrl.serving.error_handlers import BodyLimit, install_error_handlers
+from specrl.serving.follower import Follower
 from specrl.serving.loop import ServingLoop
 from specrl.serving.metrics import ServerMetrics
 from specrl.weights import WeightsStore
+from specrl.weights.deployment import DeploymentVersions
 
 
 def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await loop.ready()
+        if follower is not None:
+            follower.start()
         yield
+        if follower is not None:
+            await follower.stop()
         # uvicorn has stopped accepting and waited for open requests (SIGTERM): finish the rest.
         await asyncio.to_thread(loop.stop, settings.shutdown_timeout)
+        versions.close()
 
     app = FastAPI(title="specrl", lifespan=lifespan)
     app.state.loop, app.state.settings, app.state.store = loop, settings, store
     app.state.metrics, app.state.swap_lock = ServerMetrics(loop), asyncio.Lock()
+    app.state.versions = versions = DeploymentVersions(store, settings.redis_url, settings.deployment,
+                                                       wait_s=settings.follow_interval_s)
+    follower = Follower(app.state, versions) if settings.follow_current else None
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     if settings.api_key:
@@ -48,9 +59,14 @@ def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> Fa
 
     @app.get("/health")
     async def health():
+        """Alive and ready: 200 once this replica serves the deployment's current versions (or is behind them
+        for a stated reason, see `follower`); 503 while it starts (it must not take traffic yet) or if dead."""
         if not loop.alive:
             return JSONResponse({"status": "dead", "error": repr(loop.error)}, status_code=503)
-        return {"status": "ok", "target_version": loop.target_version, "drafter_version": loop.drafter_version}
+        state = follower.health() if follower is not None else {"ready": True}
+        body = {"status": "ok" if state["ready"] else "starting", "target_version": loop.target_version,
+                "drafter_version": loop.drafter_version, **state}
+        return body if state["ready"] else JSONResponse(body, status_code=503)
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():

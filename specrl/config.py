@@ -82,6 +82,11 @@ class Settings:
                                "empty leaves them open (the admin routes keep their own token)")
     max_body_bytes: int = setting(1 << 20, "request bodies over this many bytes get 413")
     shutdown_timeout: float = setting(30.0, "seconds a SIGTERM waits for in-flight requests before aborting them")
+    follow_current: bool = setting(True, "swap to the deployment's current versions whenever they move (announced on "
+                                         "Redis, else read from the store), so a replica that starts late or missed "
+                                         "a swap catches up by itself")
+    follow_interval_s: float = setting(2.0, "read the deployment's current versions at least this often (an "
+                                            "announcement on Redis wakes the replica at once)")
     vllm_kv_cache_mb: int = setting(1024, "vLLM backend: KV cache MiB (on CPU vLLM otherwise takes most of the memory)")
     # ---- reward events
     redis_url: str = setting("", "Redis URL for reward events (empty: records stay in memory)")

@@ -313,12 +313,14 @@ class DrafterTrainer:
                                          metrics={"heldout_tau": candidate, "serving_tau": serving, "step": self.step,
                                                   "records": self.records})
         report = self.publisher.swap(version)
-        entry.update(published=version, swapped=report.swapped, failed=report.failed)
+        entry.update(published=version, swapped=report.swapped, failed=report.failed, announced=report.announced)
         self.events.write("publish", version=version, parent=self.serving_version, tau=candidate, serving_tau=serving,
-                          step=self.step, records=self.records, swapped=report.swapped, failed=list(report.failed))
-        log.info("event=publish version=%s parent=%s tau=%.3f serving_tau=%.3f swapped=%s failed=%s", version,
-                 self.serving_version, candidate, serving, report.swapped, list(report.failed))
-        if report.swapped:
+                          step=self.step, records=self.records, swapped=report.swapped, failed=list(report.failed),
+                          announced=report.announced)
+        log.info("event=publish version=%s parent=%s tau=%.3f serving_tau=%.3f swapped=%s failed=%s announced=%s",
+                 version, self.serving_version, candidate, serving, report.swapped, list(report.failed),
+                 report.announced)
+        if report.serving:
             self.canary.watch(version, self.serving_version)
             self.serving, self.serving_version = copy.deepcopy(self.drafter), version
             self.serving.retarget(self.drafter.target)

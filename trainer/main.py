@@ -14,6 +14,7 @@ from specrl.telemetry.event_log import EventLog
 from specrl.trainer.drafter_trainer import DrafterTrainer
 from specrl.trainer.publisher import Publisher
 from specrl.weights import WeightsStore
+from specrl.weights.deployment import DeploymentVersions
 
 GROUP = "drafter"
 
@@ -24,7 +25,9 @@ def build_trainer(settings: Settings) -> DrafterTrainer:
     store = WeightsStore(settings.store_path)
     servers = [s for s in settings.servers.split(",") if s]
     reader = RecordReader(settings.redis_url, events_stream(settings.deployment), GROUP, settings.consumer)
-    publisher = Publisher(store, servers, settings.admin_token) if servers else None
+    # Replicas follow the deployment's current drafter (announced on Redis): one this trainer does not know too.
+    versions = DeploymentVersions(store, settings.redis_url, settings.deployment)
+    publisher = Publisher(store, servers, settings.admin_token, versions=versions)
     state = settings.home / "trainer" / settings.deployment / f"{settings.consumer}.pt"
     return DrafterTrainer(settings, resolve_model(settings.model, settings.home), reader, store=store,
                           publisher=publisher, state_path=state, events=EventLog(settings.trainer_events_path))

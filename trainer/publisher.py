@@ -1,7 +1,10 @@
-"""Publish a drafter into the weights store and ask every server replica to swap to it.
+"""Publish a drafter into the weights store and make it the deployment's current drafter.
 
-Replicas are asked over their admin API; one that is down is retried a few times and reported,
-the others still swap. Uses only the standard library's HTTP client.
+The replicas this trainer knows (`--servers`) are asked over their admin API first, the fast path: one
+that is down is retried a few times and reported, the others still swap. Then the deployment's
+`current` moves (`DeploymentVersions`: the store's pointer, Redis's hash and control stream), which
+every replica follows by itself, those the trainer does not know included. Uses only the standard
+library's HTTP client.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from specrl.models.drafter import EagleDrafter
 from specrl.weights import WeightsStore
+from specrl.weights.deployment import DeploymentVersions
 
 log = logging.getLogger("specrl.trainer")
 
@@ -26,12 +30,19 @@ class SwapReport:
     version: str
     swapped: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # replica URL -> last error
+    announced: bool = False  # the deployment's current moved to it (every replica follows)
+
+    @property
+    def serving(self) -> bool:
+        """Replicas serve it now or will within their follow interval."""
+        return bool(self.swapped) or self.announced
 
 
 class Publisher:
     def __init__(self, store: WeightsStore, servers: list[str], admin_token: str, *, retries: int = 3,
-                 backoff_s: float = 0.5, timeout_s: float = 60.0):
-        self.store, self.servers, self.admin_token = store, servers, admin_token
+                 backoff_s: float = 0.5, timeout_s: float = 60.0, versions: DeploymentVersions | None = None):
+        """versions: the deployment's current versions, moved after the pushes (None: the pushes alone)."""
+        self.store, self.servers, self.admin_token, self.versions = store, servers, admin_token, versions
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
 
     def publish(self, drafter: EagleDrafter, *, parent: str | None, target_version: str, metrics: dict,
@@ -45,8 +56,9 @@ class Publisher:
         return manifest.version
 
     def swap(self, version: str) -> SwapReport:
-        """Ask every replica to serve drafter `version` (also how a rollback is done: by naming
-        the previous version, which stays correct if a retried request had already landed)."""
+        """Ask every known replica to serve drafter `version`, then make it the deployment's current (also how
+        a rollback is done: by naming the previous version, which stays correct if a retried request had
+        already landed)."""
         report = SwapReport(version)
         for server in self.servers:
             _, error = post_swap(server, self.admin_token, {"role": "drafter", "version": version},
@@ -56,6 +68,9 @@ class Publisher:
             else:
                 report.failed[server] = error
                 log.warning("event=swap_failed replica=%s version=%s error=%s", server, version, error)
+        if self.versions is not None and (report.swapped or not self.servers):
+            self.versions.set("drafter", version)  # a version every known replica refused is not made current
+            report.announced = True
         return report
 
 

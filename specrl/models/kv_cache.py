@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from specrl.models.linear import cpu_kernels
 
-FUSED_MAX_TOKENS = 32  # tokens per row the fused kernel takes: decode and verify steps (a suffix draft of 16 + 1)
+FUSED_MAX_TOKENS = 64  # tokens of one sequence the fused kernel takes a call (ATT_MAX_ROWS in _cpu_kernels.c)
+
 
 
 class KVCache:
@@ -27,6 +28,17 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+
+def fuses(cache: KVCache) -> bool:
+    """Whether forwards over `cache` take the fused C attention (float32, the kernels built). A token's result
+    there depends on its position and the cache only, never on what else the call holds, so every prompt
+    chunk goes through it too, in pieces of FUSED_MAX_TOKENS: a prompt's keys are then the same bits however
+    it was chunked or batched, and a prefix-cache hit (keys computed in another request's chunks) cannot
+    change a greedy answer. torch's SDPA for long chunks broke that: speculative and plain outputs parted
+    after cache hits (`bench adapt` on q4, 1-3 of 8 held-out prompts)."""
+    return cpu_kernels is not None and cache.k.dtype == torch.float32 and cache.k.is_contiguous() \
+        and cache.v.is_contiguous()
 
 
 class CacheBatch:
@@ -81,10 +93,10 @@ class CacheBatch:
             self._flat = flat.reshape(-1)  # [B*T*KVH] (or [N*KVH]) rows of k viewed as [layers, S*KVH*MAX, D]
             self._k_dest, self._v_dest = k.view(layers, -1, d), v.view(layers, -1, d)
         self._consecutive = consecutive
-        # The fused kernel (rotary embedding + cache write + attention in one C call a layer) serves
-        # float32 decode and verify steps; prefill chunks and bfloat16 take the torch ops below.
-        self.fused = cpu_kernels is not None and k.dtype == torch.float32 and num_tokens <= FUSED_MAX_TOKENS \
-            and k.is_contiguous() and v.is_contiguous()
+        # The fused kernel (rotary embedding + cache write + attention in one C call a layer) serves float32
+        # forwards of up to FUSED_MAX_TOKENS tokens a row; `Llama.forward` cuts longer prefill chunks into
+        # such pieces (`fuses`). bfloat16 takes the torch ops below.
+        self.fused = fuses(cache) and num_tokens <= FUSED_MAX_TOKENS
         if self.fused:  # the kernel's arguments that hold for every layer, read once (a call costs ~3 us)
             self._flat_tokens = self.rows if self.rows is not None else torch.arange(len(slots) * num_tokens)
             self._positions = self.positions.contiguous()

@@ -15,7 +15,9 @@ backpropagates through the plain form (which also runs in bfloat16 throughout).
 
 A decode or verify step (float32 activations) whose four linears all take the stream kernel runs each layer as
 one C call (`DecoderLayer.forward_streamed`: norms, linears, fused attention, SwiGLU, residuals);
-otherwise the same kernels are called op by op, and prefill chunks take torch's SDPA.
+otherwise the same kernels are called op by op. A prompt chunk longer than the fused attention takes a call
+(`kv_cache.FUSED_MAX_TOKENS`) runs as consecutive forwards of that many tokens: every position then computes the same
+bits however the prompt was chunked or batched (`kv_cache.fuses`).
 
 Left out, measured (AVX2 EPYC, 1 thread, SmolLM2, context 120): torch.compile (inductor CPU,
 dynamic shapes) of the decoder layer. It cannot take oneDNN's opaque packed weights; with the
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrl.errors import ModelNotFoundError
-from specrl.models.kv_cache import CacheBatch, KVCache
+from specrl.models.kv_cache import FUSED_MAX_TOKENS, CacheBatch, KVCache, fuses
 from specrl.models.linear import KIND, PackedLinear, cpu_kernels, linear, plain_weight
 from specrl.models.quantize import Int8Weight, Q4Weight
 
@@ -375,6 +377,9 @@ class Llama(nn.Module):
             for layer in self.layers:
                 x = layer(x, cos, sin, None)
             return x
+        if tokens.shape[1] > FUSED_MAX_TOKENS and lengths is None and fuses(cache):  # a long prompt chunk
+            return torch.cat([self(tokens[:, i:i + FUSED_MAX_TOKENS], slots, start + i, cache)
+                              for i in range(0, tokens.shape[1], FUSED_MAX_TOKENS)], dim=1)
         batch = CacheBatch(cache, slots, start, tokens.shape[1], lengths)
         cos, sin = self.rope.tables(batch.positions)
         if batch.rows is not None:

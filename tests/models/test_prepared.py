@@ -327,3 +327,39 @@ def test_the_streamed_layers_in_one_loop_equal_one_module_call_each(tiny_dir, we
             x = layer(x, cos, sin, batch, i)
     assert torch.equal(looped, x.float())
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.int8, torch.quint4x2])
+def test_a_prompt_computes_the_same_bits_alone_beside_a_longer_one_or_token_by_token(tiny_dir, weight_dtype):
+    """A position's hidden state and cached keys depend on its own tokens only, not on what else its forward
+    holds: a 40-token prompt prefilled alone, in one forward beside a 57-token one (padded), or as 39 tokens then
+    one. A prefix-cache hit reuses keys computed in whatever batch came first, so greedy speculation is exact
+    over a prefix cache only if this holds (torch's attention for chunks longer than a verify broke it: outputs
+    of `bench adapt` on q4 differed from plain decoding after its batch-4 runs filled the cache)."""
+    if cpu_kernels is None:
+        pytest.skip("the stream kernel is not built")
+    model = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, weight_dtype))
+    gen = torch.Generator().manual_seed(1)
+    prompt, other = (torch.randint(0, model.cfg.vocab_size, (n,), generator=gen) for n in (40, 57))
+    with torch.inference_mode():
+        alone = model.new_cache(1, 64)
+        want = model(prompt[None], torch.tensor([0]), torch.tensor([0]), alone)[0]
+        beside = model.new_cache(2, 64)
+        padded = torch.zeros(2, 57, dtype=torch.long)
+        padded[0], padded[1, :40] = other, prompt
+        got = model(padded, torch.tensor([0, 1]), torch.tensor([0, 0]), beside, torch.tensor([57, 40]))[1, :40]
+        stepped = model.new_cache(1, 64)
+        model(prompt[None, :39], torch.tensor([0]), torch.tensor([0]), stepped)
+        last = model(prompt[None, 39:], torch.tensor([0]), torch.tensor([39]), stepped)[0, 0]
+    assert torch.equal(got, want) and torch.equal(last, want[-1])
+    with torch.inference_mode():  # longer than one fused call: cut into pieces, still the same bits as token by token
+        long = torch.randint(0, model.cfg.vocab_size, (150,), generator=gen)
+        whole = model(long[None], torch.tensor([0]), torch.tensor([0]), model.new_cache(1, 160))[0]
+        split = model.new_cache(1, 160)
+        model(long[None, :100], torch.tensor([0]), torch.tensor([0]), split)
+        tail = model(long[None, 100:], torch.tensor([0]), torch.tensor([100]), split)[0]
+    assert torch.equal(tail, whole[100:])
+    for cache in (beside.k, beside.v), (stepped.k, stepped.v):
+        slot = 1 if cache[0] is beside.k else 0
+        assert torch.equal(cache[0][:, slot, :, :40], alone.k[:, 0, :, :40])
+        assert torch.equal(cache[1][:, slot, :, :40], alone.v[:, 0, :, :40])

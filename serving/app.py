@@ -35,7 +35,7 @@ def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> Fa
     async def lifespan(app: FastAPI):
         await loop.ready()
         if follower is not None:
-            follower.start()
+            await follower.start()  # serves current before it takes a request
         yield
         if follower is not None:
             await follower.stop()

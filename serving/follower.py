@@ -15,7 +15,8 @@ weights take every request admitted after the swap). With Redis, an announcement
 Ready (`/health`): every role serves `current`, or `current` failed to load here (bad checksum, missing,
 shapes that do not fit): then the replica keeps serving its weights, as every failed swap leaves them,
 says which version it is behind and why, counts the failure, and tries that version again after
-RETRY_S. Until its first check a replica is not ready.
+RETRY_S. The first check runs in the server's startup, before it accepts a request (on uvicorn, before it
+binds; on Ray Serve, before the replica is marked running); until one has run, `/health` says not ready.
 """
 
 from __future__ import annotations
@@ -41,22 +42,27 @@ class Follower:
         self.failed: dict[str, tuple[str, str, float]] = {}  # role -> (version, reason, when)
         self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="specrl-follower")
+    async def start(self) -> None:
+        """The first check before the server takes a request (it runs in the app's startup), then the loop."""
+        cursor = await asyncio.to_thread(self.versions.cursor)  # first: an announcement during the check wakes it
+        await self._check_logged()
+        self._task = asyncio.get_running_loop().create_task(self._run(cursor), name="specrl-follower")
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def _run(self) -> None:
-        cursor = await asyncio.to_thread(self.versions.cursor)
+    async def _run(self, cursor: str) -> None:
         while True:
-            try:
-                await self.check()
-            except Exception:  # noqa: BLE001 - the follower must outlive anything one check meets
-                log.exception("event=follow_error")
             cursor = await asyncio.to_thread(self.versions.wait, cursor)
+            await self._check_logged()
+
+    async def _check_logged(self) -> None:
+        try:
+            await self.check()
+        except Exception:  # noqa: BLE001 - the follower must outlive anything one check meets
+            log.exception("event=follow_error")
 
     async def check(self) -> None:
         """Swap every role whose `current` this replica does not serve. The swap lock (the admin API's: one swap

@@ -97,7 +97,7 @@ class EngineLoop:
     def info(self) -> dict[str, str]:
         plan = self.engine.plan
         return {"backend": "native", "dtype": str(plan.weight_dtype).removeprefix("torch.") if plan else "float32",
-                "dtype_reason": plan.note if plan else "plain float32 models"}
+                "dtype_reason": plan.note if plan else "plain float32 models", "replica": self.engine.settings.replica}
 
     @property
     def has_drafter(self) -> bool:

@@ -29,7 +29,7 @@ class ServingLoop(Protocol):
     telemetry: SinkCounters | None  # counters of the records this backend writes (None: it writes none)
     error: BaseException | None
     on_death: Callable[[], None] | None  # runs once if the engine dies (the server then exits non-zero)
-    info: dict[str, str]  # what runs: backend, dtype (and why), exported as an info gauge
+    info: dict[str, str]  # what runs: backend, dtype (and why), replica name, exported as an info gauge
 
     @property
     def alive(self) -> bool: ...

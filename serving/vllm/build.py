@@ -58,7 +58,8 @@ def build_vllm_loop(settings: Settings, store: WeightsStore) -> VllmLoop:
              dtype_reason, schedule)
     return VllmLoop(args, AutoTokenizer.from_pretrained(base), settings, worker_options=options,
                     has_drafter=drafter_dir is not None, vocab_size=LlamaConfig.from_dir(model_dir).vocab_size,
-                    info={"backend": "vllm", "dtype": args.dtype, "dtype_reason": dtype_reason},
+                    info={"backend": "vllm", "dtype": args.dtype, "dtype_reason": dtype_reason,
+                          "replica": settings.replica},
                     no_drafter_reason=no_drafter_reason)
 
 

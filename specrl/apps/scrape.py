@@ -3,7 +3,6 @@ between two samples (`specrl up`'s status line, the RL report, `bench adapt`). H
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import urllib.request
@@ -71,14 +70,21 @@ def yield_of(server: dict | None, trainer: dict | None) -> dict:
 
 
 def sample_metrics(url: str, started: float) -> dict | None:
-    """-> the server's counters (METRICS' short names), ok requests and serving versions at `t`
-    seconds since `started` (monotonic), or None when it does not answer."""
-    text, health = _get(url + "/metrics"), _get(url + "/health")
-    if text is None or health is None:
+    """-> the server's counters (METRICS' short names), ok requests, serving versions and replica name at `t`
+    seconds since `started` (monotonic), or None when it does not answer. All from one /metrics page: behind a
+    proxy (Ray Serve) two requests may reach two replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = _get(url + "/metrics")
+    if text is None:
         return None
-    health = json.loads(health)
-    sample = {"t": round(time.monotonic() - started, 2), "drafter": health.get("drafter_version"),
-              "policy": health.get("target_version"), "uses": token_uses(text)}
+    info = {f.name: f.samples for f in text_string_to_metric_families(text)
+            if f.name in ("specrl_weight_version_info", "specrl_engine_info")}
+    versions = {s.labels["role"]: s.labels["version"] for s in info.get("specrl_weight_version_info", [])}
+    engine = info.get("specrl_engine_info") or []
+    sample = {"t": round(time.monotonic() - started, 2), "drafter": versions.get("drafter"),
+              "policy": versions.get("policy"), "replica": engine[0].labels.get("replica") if engine else None,
+              "uses": token_uses(text)}
     for line in text.splitlines():
         name = line.split(" ")[0]
         if name in METRICS:

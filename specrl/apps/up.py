@@ -9,7 +9,9 @@ Ctrl-C or at the end of --duration: stop everything cleanly and write a report (
 acceptance length, tokens/s and the effective-token yield over time, swaps marked).
 
 This module is the CLI's process supervisor: it starts processes and talks HTTP to them, it
-imports nothing of the server or the trainer.
+imports nothing of the server or the trainer. With `--ray [ADDRESS]` the server is N replicas of one Ray Serve
+deployment behind Serve's proxy on --port (`specrl.serving.ray_replicas`, imported only then); the trainer pushes
+to the proxy, the replica it reaches moves the deployment's `current`, and every replica follows it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
@@ -33,6 +36,7 @@ from specrl.apps.traffic import Traffic
 from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.data import PromptMix
+from specrl.errors import InvalidRequestError
 
 
 def register(sub) -> None:
@@ -40,16 +44,58 @@ def register(sub) -> None:
     p.add_argument("--demo", action="store_true", help="replay the bundled prompt mix through the API")
     p.add_argument("--duration", type=float, default=0, help="seconds to run (0: until Ctrl-C)")
     p.add_argument("--users", type=int, default=4, help="concurrent demo clients")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="serve the replicas as one Ray Serve deployment behind its proxy on --port: a local Ray "
+                        "cluster, or join ADDRESS (needs the [ray] extra)")
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: serving replicas")
+    p.add_argument("--max-replicas", type=int, default=0,
+                   help="with --ray: autoscale between --replicas and this many on ongoing requests (0: fixed)")
     add_settings(p, *COMMON, "redis_url", "port", "model", "deployment")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    run_up(settings_from(args).with_env_redis(), demo=args.demo, duration_s=args.duration, users=args.users)
+    fleet = Fleet.check(args.ray, args.replicas, args.max_replicas) if args.ray else None
+    run_up(settings_from(args).with_env_redis(), demo=args.demo, duration_s=args.duration, users=args.users,
+           fleet=fleet)
     return 0
 
 
-def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, interval_s: float = 5.0) -> dict:
+@dataclass(frozen=True)
+class Fleet:
+    """`--ray`: the replicas as one Ray Serve deployment (`specrl.serving.ray_replicas`)."""
+
+    address: str | None  # None: a local Ray cluster
+    replicas: int
+    max_replicas: int
+
+    @classmethod
+    def check(cls, ray: str, replicas: int, max_replicas: int) -> "Fleet":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+            raise InvalidRequestError("--ray needs Ray Serve: pip install 'specrl[ray]' (`make install` does)")
+        if replicas < 1 or (max_replicas and max_replicas < replicas):
+            raise InvalidRequestError(f"--replicas must be >= 1 and --max-replicas 0 or >= --replicas (got {replicas}, "
+                                      f"{max_replicas})")
+        return cls(None if ray == "local" else ray, replicas, max_replicas)
+
+    def start(self, settings: Settings) -> str:
+        """Deploy the replicas (each with its share of the cores), wait until Serve runs them all -> the proxy's URL."""
+        from specrl.serving.ray_replicas import run_replicas
+
+        threads = shared_threads(settings.threads, self.replicas + 1)  # + the drafter trainer
+        return run_replicas(settings.replace(threads=threads), self.replicas, self.max_replicas or None, self.address)
+
+    @staticmethod
+    def stop() -> None:
+        from specrl.serving.ray_replicas import stop_replicas
+
+        stop_replicas()
+
+
+def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, interval_s: float = 5.0,
+           fleet: Fleet | None = None) -> dict:
     run_dir = settings.home / "runs" / time.strftime("up-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     resolve_model(settings.model, settings.home)  # fetch first, with progress, before anything starts
@@ -63,9 +109,13 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
     stop = threading.Event()
     samples: list[dict] = []
     try:
-        children.append(spawn(["serve", *common, "--host", settings.host, "--port", str(settings.port)],
-                               env, run_dir / "server.log"))
-        wait_healthy(url, children[0], run_dir / "server.log")
+        if fleet is None:
+            children.append(spawn(["serve", *common, "--host", settings.host, "--port", str(settings.port)],
+                                   env, run_dir / "server.log"))
+            wait_healthy(url, children[0], run_dir / "server.log")
+        else:
+            print(f"specrl up: starting {fleet.replicas} replicas on Ray Serve", file=sys.stderr, flush=True)
+            url = fleet.start(settings.replace(admin_token=token, redis_url=redis.url))
         trainer_url = f"http://127.0.0.1:{free_port()}"
         children.append(spawn(["train-drafter", *common, "--server", url,
                                "--metrics-port", trainer_url.rpartition(":")[2]], env, run_dir / "trainer.log"))
@@ -78,7 +128,7 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
         started = time.monotonic()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        previous = None
+        previous: dict[str | None, dict] = {}  # each replica's last sample: behind Ray Serve's proxy a scrape
         while not stop.is_set() and (duration_s <= 0 or time.monotonic() - started < duration_s):
             stop.wait(interval_s)
             if redis.restart_if_dead():
@@ -89,11 +139,12 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
                 continue
             sample["trainer"] = sample_trainer(trainer_url)
             sample["yield"] = yield_of(sample, sample["trainer"])
-            if previous is not None:
-                sample.update(rates(previous, sample))
+            before = previous.get(sample["replica"])  # reaches any replica: rates compare a replica with itself
+            if before is not None:
+                sample.update(rates(before, sample))
                 samples.append(sample)
-                print(_status_line(sample), file=sys.stderr, flush=True)
-            previous = sample
+                print(_status_line(sample, with_replica=fleet is not None), file=sys.stderr, flush=True)
+            previous[sample["replica"]] = sample
             if any(c.poll() is not None for c in children):
                 print("specrl up: a child process exited; stopping (see the logs)", file=sys.stderr)
                 break
@@ -101,15 +152,17 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
         stop.set()
         for child in reversed(children):
             terminate(child)
+        if fleet is not None:
+            fleet.stop()
         redis.stop()
     return _report(run_dir, samples, settings)
 
 
-def _status_line(s: dict) -> str:
+def _status_line(s: dict, with_replica: bool = False) -> str:
     def fmt(value, spec=".2f"):
         return "-" if value is None else format(value, spec)
 
-    return (f"t={s['t']:6.0f}s  req/s={s['requests_per_s']:5.2f}  tok/s={s['tokens_per_s']:6.1f}  "
+    return ((f"replica={s['replica']}  " if with_replica else "") + f"t={s['t']:6.0f}s  req/s={s['requests_per_s']:5.2f}  tok/s={s['tokens_per_s']:6.1f}  "
             f"speedup={fmt(s['speedup'])}x  tokens/step={fmt(s['tokens_per_step'])}  "
             f"accepted: suffix={fmt(s['suffix_acceptance_rate'], '.0%')} head={fmt(s['head_acceptance_rate'], '.0%')}  "
             f"policy={s['policy']}  drafter={s['drafter']}" + _trainer_status(s) + ("  <- swap" if s["swap"] else ""))

@@ -23,3 +23,17 @@ def test_the_status_line_shows_the_trainers_rates_lag_and_the_yield():
 def test_the_status_line_says_when_the_trainer_does_not_answer():
     line = _status_line(sample(None))
     assert "trainer: -" in line and "yield" not in line
+
+
+def test_behind_ray_serves_proxy_the_status_line_names_the_replica_it_sampled():
+    line = _status_line({**sample(None), "replica": "ray-abc"}, with_replica=True)
+    assert line.startswith("replica=ray-abc  t=") and "replica=" not in _status_line(sample(None))
+
+
+def test_up_ray_refuses_a_fleet_it_cannot_make_in_one_line(capsys):
+    from specrl.apps.cli import main
+
+    for args in (["--replicas", "0"], ["--replicas", "3", "--max-replicas", "2"]):
+        assert main(["up", "--ray", *args, "--duration", "1"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--replicas must be >= 1" in err[0]

@@ -52,8 +52,8 @@ def replica_application(settings: Settings, replicas: int, max_replicas: int | N
 
 def run_replicas(settings: Settings, replicas: int, max_replicas: int | None = None, address: str | None = None):
     """Join (address) or start a local Ray cluster, start Serve's proxy on settings.host:settings.port, deploy the
-    replicas and wait until Serve runs them all -> the proxy's URL. A local cluster gets a CPU for each replica's
-    thread, at least the machine's cores. `stop_replicas` undoes it."""
+    replicas and wait until Serve runs them all -> the proxy's URL. A local cluster gets a CPU for each thread of
+    the replicas and of a trainer actor, at least the machine's cores. `stop_replicas` undoes it."""
     import ray
     from ray import serve
 
@@ -61,7 +61,7 @@ def run_replicas(settings: Settings, replicas: int, max_replicas: int | None = N
         if address:
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         else:
-            cpus = max(os.cpu_count() or 2, (max_replicas or replicas) * max(1, settings.threads))
+            cpus = max(os.cpu_count() or 2, ((max_replicas or replicas) + 1) * max(1, settings.threads))  # + a trainer
             ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(replica_application(settings, replicas, max_replicas), name=APP_NAME, route_prefix="/")

@@ -34,22 +34,30 @@ def build_trainer(settings: Settings) -> DrafterTrainer:
 
 
 def train_drafter(settings: Settings) -> int:
+    """`specrl train-drafter`: the loop until SIGTERM or SIGINT."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
-    trainer = build_trainer(settings)
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
+    run_trainer(settings, lambda: bool(stopping))
+    return 0
+
+
+def run_trainer(settings: Settings, should_stop) -> DrafterTrainer:
+    """Build the trainer (resuming from its checkpoint, re-reading its pending records), train until
+    should_stop(), then checkpoint and ack. The loop of `specrl train-drafter` and of the Ray actor."""
+    trainer = build_trainer(settings)
     logging.getLogger("specrl.trainer").info(
         "event=start deployment=%s consumer=%s objective=%s serving_drafter=%s", settings.deployment,
         settings.consumer, settings.objective, trainer.serving_version)
     trainer.events.write("start", deployment=settings.deployment, consumer=settings.consumer,
                          objective=settings.objective, serving_drafter=trainer.serving_version)
-    trainer.run(lambda: bool(stopping), on_step=_metrics(settings.trainer_metrics_port))
+    trainer.run(should_stop, on_step=_metrics(settings.trainer_metrics_port))
     trainer.save_state()
     if trainer.unacked:
         trainer.reader.ack(trainer.unacked)
-    return 0
+    return trainer
 
 
 def _metrics(port: int):

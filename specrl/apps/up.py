@@ -10,8 +10,9 @@ acceptance length, tokens/s and the effective-token yield over time, swaps marke
 
 This module is the CLI's process supervisor: it starts processes and talks HTTP to them, it
 imports nothing of the server or the trainer. With `--ray [ADDRESS]` the server is N replicas of one Ray Serve
-deployment behind Serve's proxy on --port (`specrl.serving.ray_replicas`, imported only then); the trainer pushes
-to the proxy, the replica it reaches moves the deployment's `current`, and every replica follows it.
+deployment behind Serve's proxy on --port (`specrl.serving.ray_replicas`, imported only then) and the drafter
+trainer a Ray actor restarted when its process dies (`specrl.trainer.ray_actor`); the trainer pushes to the proxy,
+the replica it reaches moves the deployment's `current`, and every replica follows it.
 """
 
 from __future__ import annotations
@@ -61,13 +62,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Fleet:
-    """`--ray`: the replicas as one Ray Serve deployment (`specrl.serving.ray_replicas`)."""
+    """`--ray`: the replicas as one Ray Serve deployment (`specrl.serving.ray_replicas`) and the drafter trainer as
+    a Ray actor that Ray restarts when its process dies (`specrl.trainer.ray_actor`)."""
 
     address: str | None  # None: a local Ray cluster
     replicas: int
     max_replicas: int
+    trainer: object = None  # the actor, and the ref of its running loop
+    trainer_run: object = None
 
     @classmethod
     def check(cls, ray: str, replicas: int, max_replicas: int) -> "Fleet":
@@ -80,17 +84,35 @@ class Fleet:
                                       f"{max_replicas})")
         return cls(None if ray == "local" else ray, replicas, max_replicas)
 
+    def threads(self, settings: Settings) -> int:
+        return shared_threads(settings.threads, self.replicas + 1)  # each replica and the trainer
+
     def start(self, settings: Settings) -> str:
         """Deploy the replicas (each with its share of the cores), wait until Serve runs them all -> the proxy's URL."""
         from specrl.serving.ray_replicas import run_replicas
 
-        threads = shared_threads(settings.threads, self.replicas + 1)  # + the drafter trainer
-        return run_replicas(settings.replace(threads=threads), self.replicas, self.max_replicas or None, self.address)
+        return run_replicas(settings.replace(threads=self.threads(settings)), self.replicas, self.max_replicas or None,
+                            self.address)
 
-    @staticmethod
-    def stop() -> None:
+    def start_trainer(self, settings: Settings) -> None:
+        from specrl.trainer.ray_actor import start_trainer_actor
+
+        self.trainer, self.trainer_run = start_trainer_actor(settings.replace(threads=self.threads(settings)))
+
+    def trainer_ended(self) -> bool:
+        """Its loop returned or failed for good (a dead process is restarted, and its loop with it)."""
+        import ray
+
+        return self.trainer_run is not None and bool(ray.wait([self.trainer_run], timeout=0)[0])
+
+    def stop(self) -> None:
+        import ray
+
         from specrl.serving.ray_replicas import stop_replicas
 
+        if self.trainer is not None:
+            self.trainer.stop.remote()
+            ray.wait([self.trainer_run], timeout=60)  # it checkpoints and acks
         stop_replicas()
 
 
@@ -117,8 +139,12 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
             print(f"specrl up: starting {fleet.replicas} replicas on Ray Serve", file=sys.stderr, flush=True)
             url = fleet.start(settings.replace(admin_token=token, redis_url=redis.url))
         trainer_url = f"http://127.0.0.1:{free_port()}"
-        children.append(spawn(["train-drafter", *common, "--server", url,
-                               "--metrics-port", trainer_url.rpartition(":")[2]], env, run_dir / "trainer.log"))
+        if fleet is None:
+            children.append(spawn(["train-drafter", *common, "--server", url,
+                                   "--metrics-port", trainer_url.rpartition(":")[2]], env, run_dir / "trainer.log"))
+        else:
+            fleet.start_trainer(settings.replace(admin_token=token, redis_url=redis.url, servers=url,
+                                                 trainer_metrics_port=int(trainer_url.rpartition(":")[2])))
         print(f"specrl up: serving {settings.model} at {url}  (logs: {run_dir})", file=sys.stderr)
         mix = PromptMix({"chat": 1, "code": 1, "math": 1, "structured": 1}, split="train", seed=0)
         traffic = threading.Thread(target=Traffic(url, settings.model, users).serve, args=(mix,),
@@ -145,7 +171,7 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
                 samples.append(sample)
                 print(_status_line(sample, with_replica=fleet is not None), file=sys.stderr, flush=True)
             previous[sample["replica"]] = sample
-            if any(c.poll() is not None for c in children):
+            if any(c.poll() is not None for c in children) or (fleet is not None and fleet.trainer_ended()):
                 print("specrl up: a child process exited; stopping (see the logs)", file=sys.stderr)
                 break
     finally:

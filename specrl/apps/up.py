@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,7 +165,10 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
             if sample is None:
                 continue
             sample["trainer"] = sample_trainer(trainer_url)
-            sample["yield"] = yield_of(sample, sample["trainer"])
+            # the fleet's token uses: every replica's latest counters (one scrape reaches one replica) + the trainer's
+            latest = [*(p for r, p in previous.items() if r != sample["replica"]), sample]
+            sample["yield"] = yield_of({"uses": dict(sum((Counter(p["uses"]) for p in latest), Counter()))},
+                                       sample["trainer"])
             before = previous.get(sample["replica"])  # reaches any replica: rates compare a replica with itself
             if before is not None:
                 sample.update(rates(before, sample))
@@ -210,8 +214,15 @@ def _trainer_status(s: dict) -> str:
 
 
 def _report(run_dir: Path, samples: list[dict], settings: Settings) -> dict:
+    """report.json (every sample, the swaps, the replicas sampled) and report.png: one line per replica (with
+    --ray, each sample is one replica's, compared with its own previous one)."""
+    by_replica: dict = {}
+    for s in samples:
+        by_replica.setdefault(s.get("replica"), []).append(s)
     report = {"command": sys.argv, "model": settings.model, "samples": samples,
-              "swaps": [{"t": s["t"], "drafter": s["drafter"], "policy": s["policy"]} for s in samples if s["swap"]]}
+              "replicas": sorted(str(r) for r in by_replica),
+              "swaps": [{"t": s["t"], "replica": s.get("replica"), "drafter": s["drafter"], "policy": s["policy"]}
+                        for s in samples if s["swap"]]}
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
     if samples:
         import matplotlib
@@ -220,25 +231,31 @@ def _report(run_dir: Path, samples: list[dict], settings: Settings) -> dict:
         import matplotlib.pyplot as plt
 
         fig, (ax0, ax1, ax2, ax3) = plt.subplots(4, 1, figsize=(9, 10.5), sharex=True)
-        t = [s["t"] for s in samples]
-        ax0.plot(t, [s["speedup"] or 1.0 for s in samples], color="tab:purple")
+        several = len(by_replica) > 1
+        for i, (replica, rs) in enumerate(by_replica.items()):
+            t, color, name = [s["t"] for s in rs], f"C{i}" if several else None, f"replica {replica}" if several else ""
+            ax0.plot(t, [s["speedup"] or 1.0 for s in rs], color=color or "tab:purple", label=name or None)
+            ax1.plot(t, [s["tokens_per_step"] or 1.0 for s in rs], color=color,
+                     label=f"{name + ': ' if name else ''}tokens per verify step")
+            for proposer, style in (("suffix", ":"), ("head", "-.")):
+                ax1.plot(t, [1 + (s[f"{proposer}_acceptance_rate"] or 0) for s in rs], color=color, alpha=0.6,
+                         linestyle=style, label=f"{name + ': ' if name else ''}1 + {proposer} acceptance rate")
+            ax2.plot(t, [s["tokens_per_s"] for s in rs], color=color or "tab:green", label=name or None)
+        plot_yield(ax3, [s["t"] for s in samples], [s.get("yield") or {} for s in samples])  # the fleet's
         ax0.axhline(1.0, color="grey", linewidth=0.8)
         ax0.set_ylabel("speed-up over plain\n(engine's estimate)")
-        ax1.plot(t, [s["tokens_per_step"] or 1.0 for s in samples], label="tokens per verify step")
-        for proposer, color in (("suffix", "tab:orange"), ("head", "tab:blue")):
-            ax1.plot(t, [1 + (s[f"{proposer}_acceptance_rate"] or 0) for s in samples], color=color, alpha=0.6,
-                     linestyle=":", label=f"1 + {proposer} acceptance rate")
         ax1.set_ylabel("tokens per verify step")
         ax1.legend(fontsize=7)
-        ax2.plot(t, [s["tokens_per_s"] for s in samples], color="tab:green")
-        ax2.set_ylabel("tokens/s")
-        plot_yield(ax3, t, [s.get("yield") or {} for s in samples])
+        ax2.set_ylabel("tokens/s" + (" (each replica)" if several else ""))
+        if several:
+            ax0.legend(fontsize=7)
         ax3.set_xlabel("seconds")
         for swap in report["swaps"]:
             for ax in (ax0, ax1, ax2, ax3):
                 ax.axvline(swap["t"], color="tab:red", alpha=0.5, linestyle="--")
             ax1.annotate(swap["drafter"], (swap["t"], ax1.get_ylim()[1]), fontsize=7, rotation=90, va="top")
-        fig.suptitle(f"specrl up: {settings.model} (dashed: weight swaps)")
+        fig.suptitle(f"specrl up: {settings.model}" + (f", {len(by_replica)} replicas" if several else "")
+                     + " (dashed: weight swaps)")
         fig.tight_layout()
         fig.savefig(run_dir / "report.png", dpi=100)
         plt.close(fig)

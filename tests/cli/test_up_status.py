@@ -37,3 +37,21 @@ def test_up_ray_refuses_a_fleet_it_cannot_make_in_one_line(capsys):
         assert main(["up", "--ray", *args, "--duration", "1"]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--replicas must be >= 1" in err[0]
+
+
+def test_the_report_draws_and_lists_each_replica_it_sampled(tmp_path):
+    import json
+
+    import matplotlib.image
+
+    from specrl.apps.up import _report
+    from specrl.config import Settings
+
+    samples = [{**sample(None), "t": 5.0 * i, "replica": f"ray-{'ab'[i % 2]}", "drafter": "v1" if i < 3 else "v2",
+                "swap": i == 3} for i in range(6)]
+    report = _report(tmp_path, samples, Settings.load(model="tiny-random"))
+    assert report["replicas"] == ["ray-a", "ray-b"] and report["swaps"] == [
+        {"t": 15.0, "replica": "ray-b", "drafter": "v2", "policy": "base"}]
+    assert json.loads((tmp_path / "report.json").read_text())["replicas"] == ["ray-a", "ray-b"]
+    height, width, _ = matplotlib.image.imread(tmp_path / "report.png").shape
+    assert height > 500 and width > 500

@@ -75,7 +75,6 @@ class Follower:
                 for role, version, mode in self._to_swap(current):
                     try:
                         await swap_to(self.state, role, version, mode, origin="follow")
-                        self.failed.pop(role, None)
                     except SpecrlError as exc:
                         self.failed[role] = (version, exc.message, time.monotonic())
                         log.warning("event=follow_failed role=%s version=%s error=%s", role, version, exc.message)

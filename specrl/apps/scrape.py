@@ -35,12 +35,18 @@ def _get(url: str) -> str | None:
 
 
 def engine_info(url: str) -> dict[str, str] | None:
-    """What the server at `url` serves: its `specrl_engine_info` labels (backend, dtype and why), or None."""
+    """What the server at `url` serves: its `specrl_engine_info` labels (backend, dtype and why, replica), or None."""
+    text = _get(url + "/metrics")
+    return next(iter(info_labels(text).get("specrl_engine_info", [])), None) if text is not None else None
+
+
+def info_labels(text: str) -> dict[str, list[dict[str, str]]]:
+    """A /metrics page's info gauges (`specrl_engine_info`, `specrl_weight_version_info`) -> {name: each sample's
+    labels}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = _get(url + "/metrics")
-    families = text_string_to_metric_families(text) if text is not None else ()
-    return next((dict(f.samples[0].labels) for f in families if f.name == "specrl_engine_info" and f.samples), None)
+    return {f.name: [dict(sample.labels) for sample in f.samples] for f in text_string_to_metric_families(text)
+            if f.name in ("specrl_engine_info", "specrl_weight_version_info")}
 
 
 def token_uses(text: str) -> dict[str, float]:
@@ -73,18 +79,14 @@ def sample_metrics(url: str, started: float) -> dict | None:
     """-> the server's counters (METRICS' short names), ok requests, serving versions and replica name at `t`
     seconds since `started` (monotonic), or None when it does not answer. All from one /metrics page: behind a
     proxy (Ray Serve) two requests may reach two replicas."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     text = _get(url + "/metrics")
     if text is None:
         return None
-    info = {f.name: f.samples for f in text_string_to_metric_families(text)
-            if f.name in ("specrl_weight_version_info", "specrl_engine_info")}
-    versions = {s.labels["role"]: s.labels["version"] for s in info.get("specrl_weight_version_info", [])}
-    engine = info.get("specrl_engine_info") or []
+    info = info_labels(text)
+    versions = {labels["role"]: labels["version"] for labels in info.get("specrl_weight_version_info", [])}
+    engine = next(iter(info.get("specrl_engine_info", [])), {})
     sample = {"t": round(time.monotonic() - started, 2), "drafter": versions.get("drafter"),
-              "policy": versions.get("policy"), "replica": engine[0].labels.get("replica") if engine else None,
-              "uses": token_uses(text)}
+              "policy": versions.get("policy"), "replica": engine.get("replica"), "uses": token_uses(text)}
     for line in text.splitlines():
         name = line.split(" ")[0]
         if name in METRICS:

@@ -13,18 +13,16 @@ its weights in float32, float16, bfloat16, int8 or 4-bit and everything else in 
 directory holds its GGUF is served from the GGUF's blocks as they ship (`gguf_reader.load_gguf`). Training builds and
 backpropagates through the plain form (which also runs in bfloat16 throughout).
 
-A decode or verify step (float32 activations) whose four linears all take the stream kernel runs each layer as
-one C call (`DecoderLayer.forward_streamed`: norms, linears, fused attention, SwiGLU, residuals);
-otherwise the same kernels are called op by op. A prompt chunk longer than the fused attention takes a call
-(`kv_cache.FUSED_MAX_TOKENS`) runs as consecutive forwards of that many tokens: every position then computes the same
-bits however the prompt was chunked or batched (`kv_cache.fuses`).
+A float32 step whose four linears all take the stream kernel runs each layer as one C call
+(`DecoderLayer.forward_streamed`: norms, linears, fused attention, SwiGLU, residuals); otherwise the same kernels
+are called op by op. A prompt chunk longer than one fused attention call (`kv_cache.FUSED_MAX_TOKENS`) runs as
+consecutive forwards of that many tokens, so a position's bits do not depend on the chunking (`kv_cache.fuses`).
 
-Left out, measured (AVX2 EPYC, 1 thread, SmolLM2, context 120): torch.compile (inductor CPU,
-dynamic shapes) of the decoder layer. It cannot take oneDNN's opaque packed weights; with the
-linears left eager it compiled 6-12 s per new (B, T) case, failed on a masked one, and ran
-1.16x / 1.22x slower at B x T = 1x1 / 1x5 (five graphs a layer, ~35 us of guards and wrapper
-each); compiled pieces alone (residual+norm, silu*up, rope) took 38-54 us a call against
-7-17 us eager.
+Left out, measured (AVX2 EPYC, 1 thread, SmolLM2, context 120): torch.compile (inductor CPU, dynamic shapes) of the
+decoder layer. It cannot take oneDNN's opaque packed weights; with the linears left eager it compiled 6-12 s per
+new (B, T) case, failed on a masked one, and ran 1.16x / 1.22x slower at B x T = 1x1 / 1x5 (five graphs a layer,
+~35 us of guards and wrapper each); compiled pieces alone (residual+norm, silu*up, rope) took 38-54 us a call
+against 7-17 us eager.
 """
 
 from __future__ import annotations
@@ -258,9 +256,9 @@ class DecoderLayer(nn.Module):
 
     def forward_streamed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: CacheBatch,
                          index: int, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` of a decode or verify step in one C call (when `streams(x)` and `batch.fused`): the
-        same kernels in the same order, so the same values to the bit, without the ~120 us of Python
-        and dispatch a layer between them. out (like x) and scratch (`scratch_size`): buffers to reuse."""
+        """`forward` in one C call (when `streams(x)` and `batch.fused`): the same kernels in the same order, so the
+        same values to the bit, without the ~120 us of Python and dispatch a layer between them. out (like x) and
+        scratch (`scratch_size`): buffers to reuse."""
         cfg = self.cfg
         scratch = torch.empty(self.scratch_size(x.numel() // x.shape[-1])) if scratch is None else scratch
         out = torch.empty_like(x) if out is None else out
@@ -305,8 +303,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype=dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype))
         # Tied embeddings share one tensor, so a swap that copies into `embed` updates the head too.
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(torch.empty_like(self.embed))
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, dtype)
         self.prepared = False
         self.requires_grad_(False)
@@ -364,22 +361,21 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor | None = None, start: torch.Tensor | None = None,
                 cache: KVCache | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] int64 at positions start[b] .. start[b]+T-1 of slot slots[b] -> hidden [B, T, H]
-        float32 (the last layer's output before the final norm). lengths [B] int64 (with a cache):
-        row b has only lengths[b] real tokens (the rest is padding: computed by attention only, its
-        hidden states are 0). Without a cache: whole sequences from position 0, causal (the
-        trainer's feature pass; right padding does not leak backwards)."""
+        """tokens [B, T] int64 at positions start[b] .. start[b]+T-1 of slot slots[b] -> hidden [B, T, H] float32
+        (the last layer's output before the final norm). lengths [B] int64 (with a cache): row b has only lengths[b]
+        real tokens (the rest is padding: computed by attention only, its hidden states are 0). Without a cache:
+        whole sequences from position 0, causal (the trainer's feature pass; right padding does not leak backwards)."""
         if self.head_only:
             raise ValueError("a head-only target (load_llama_head) has no layers to compute features with")
+        if cache is not None and tokens.shape[1] > FUSED_MAX_TOKENS and lengths is None and fuses(cache):
+            return torch.cat([self(tokens[:, i:i + FUSED_MAX_TOKENS], slots, start + i, cache)  # a long prompt chunk
+                              for i in range(0, tokens.shape[1], FUSED_MAX_TOKENS)], dim=1)
         x = self.embed_tokens(tokens)
         if cache is None:
             cos, sin = self.rope.tables(torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1))
             for layer in self.layers:
                 x = layer(x, cos, sin, None)
             return x
-        if tokens.shape[1] > FUSED_MAX_TOKENS and lengths is None and fuses(cache):  # a long prompt chunk
-            return torch.cat([self(tokens[:, i:i + FUSED_MAX_TOKENS], slots, start + i, cache)
-                              for i in range(0, tokens.shape[1], FUSED_MAX_TOKENS)], dim=1)
         batch = CacheBatch(cache, slots, start, tokens.shape[1], lengths)
         cos, sin = self.rope.tables(batch.positions)
         if batch.rows is not None:

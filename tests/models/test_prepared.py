@@ -359,7 +359,6 @@ def test_a_prompt_computes_the_same_bits_alone_beside_a_longer_one_or_token_by_t
         model(long[None, :100], torch.tensor([0]), torch.tensor([0]), split)
         tail = model(long[None, 100:], torch.tensor([0]), torch.tensor([100]), split)[0]
     assert torch.equal(tail, whole[100:])
-    for cache in (beside.k, beside.v), (stepped.k, stepped.v):
-        slot = 1 if cache[0] is beside.k else 0
-        assert torch.equal(cache[0][:, slot, :, :40], alone.k[:, 0, :, :40])
-        assert torch.equal(cache[1][:, slot, :, :40], alone.v[:, 0, :, :40])
+    for cache, slot in ((beside, 1), (stepped, 0)):
+        assert torch.equal(cache.k[:, slot, :, :40], alone.k[:, 0, :, :40])
+        assert torch.equal(cache.v[:, slot, :, :40], alone.v[:, 0, :, :40])

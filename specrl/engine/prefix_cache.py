@@ -67,14 +67,18 @@ class PrefixCache:
         self.entries.clear()
 
     def choose_slot(self, seq: Sequence, free: list[int], running: list[Sequence]) -> int:
-        """The free slot to admit `seq` into: the one whose kept KV it reuses most, unless a running
-        sequence offers more; else an empty slot (lowest first: batches stay consecutive); else the
-        least recently used one."""
+        """The free slot to admit `seq` into: the one whose kept KV it reuses most, when it reuses at least
+        as much of that entry as it would overwrite (it continues it: the next turn of a conversation) and no
+        running sequence offers more; else an empty slot (lowest first: batches stay consecutive); else the
+        least recently used one. Two prompts that share only a short head (a chat template's first tokens
+        before different system prompts) each keep their own entry: the head is copied (`place`), not
+        taken in place at the cost of the other prompt's KV."""
         context = seq.context_ids(0, seq.prefill_end)
         slot, kept = _best(context, [(s, self.entries[s].tokens, self.entries[s].drafted)
                                      for s in free if s in self.entries])
         _, live = _best(context, self._live(seq, running))
-        if kept > 0 and kept >= max(live, self._in_flight(seq, context, running)):
+        if (kept > 0 and kept >= max(live, self._in_flight(seq, context, running))
+                and kept >= len(self.entries[slot].tokens) - kept):
             return slot
         empty = [s for s in free if s not in self.entries]
         return min(empty) if empty else min(free, key=lambda s: self.entries[s].used)

@@ -1,7 +1,7 @@
 """Prefix reuse (specrl/engine/prefix_cache.py): outputs and drafts equal a full prefill's, hits are
 counted in prompt tokens as vLLM counts them, the n sequences of one prompt prefill it once, a swap
 invalidates what the old weights computed, admission takes empty slots, then the least recently
-used, never a running sequence's."""
+used, never a running sequence's, and takes a kept entry in place only when it continues it."""
 
 import random
 
@@ -217,6 +217,22 @@ def test_admission_takes_empty_slots_then_the_least_recently_used_never_a_runnin
     assert long.finish_reason is None
     run_until_done(engine, [long])
     assert long.output_ids == long_ref.output_ids
+
+
+def test_prompts_sharing_a_short_head_keep_their_own_entries(make_engine):
+    """Tenants whose long system prompts differ after a few shared tokens (a chat template's) take turns: each
+    turn reuses its own tenant's prompt, however they alternate; none overwrites another's entry for the head."""
+    engine = make_engine(max_batch=4, **PLAIN)
+    head = [3, 4, 5, 6]
+    tenants = [head + tail for tail in distinct_prompts(3, 40, seed=1)]
+    reused = []
+    for turn in range(3):
+        for tenant in tenants:
+            seq = engine.submit(tenant + [20 + turn], GREEDY)
+            run_until_done(engine, [seq])
+            reused.append(seq.num_cached_tokens)
+    assert reused[:3] == [0, len(head) - 1, len(head) - 1]  # first sight: only the head (LCP - 1), copied
+    assert reused[3:] == [len(tenants[0]) - 1] * 6  # every later turn: its whole tenant prompt
 
 
 def test_random_traffic_keeps_slots_exclusive_and_outputs_exact(make_engine):

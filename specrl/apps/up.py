@@ -10,9 +10,9 @@ acceptance length, tokens/s and the effective-token yield over time, swaps marke
 
 This module is the CLI's process supervisor: it starts processes and talks HTTP to them, it
 imports nothing of the server or the trainer. With `--ray [ADDRESS]` the server is N replicas of one Ray Serve
-deployment behind Serve's proxy on --port (`specrl.serving.ray_replicas`, imported only then) and the drafter
-trainer a Ray actor restarted when its process dies (`specrl.trainer.ray_actor`); the trainer pushes to the proxy,
-the replica it reaches moves the deployment's `current`, and every replica follows it.
+deployment behind Serve's proxy on --port, routed by prefix (`specrl.apps.ray_fleet`, which imports the serving
+and trainer parts only then), and the drafter trainer a Ray actor restarted when its process dies; the trainer
+pushes to the proxy, the replica it reaches moves the deployment's `current`, and every replica follows it.
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.apps.launch import free_port, shared_threads, spawn, terminate, wait_healthy
+from specrl.apps.ray_fleet import Fleet
 from specrl.apps.redis_server import RedisServer
 from specrl.apps.scrape import rates, sample_metrics, sample_trainer, yield_of
 from specrl.apps.traffic import Traffic
 from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.data import PromptMix
-from specrl.errors import InvalidRequestError
 
 
 def register(sub) -> None:
@@ -52,69 +51,18 @@ def register(sub) -> None:
     p.add_argument("--replicas", type=int, default=2, help="with --ray: serving replicas")
     p.add_argument("--max-replicas", type=int, default=0,
                    help="with --ray: autoscale between --replicas and this many on ongoing requests (0: fixed)")
+    p.add_argument("--router", choices=("prefix", "pow2"), default="prefix",
+                   help="with --ray: prefix sends a request to the replica that computed its context's start last "
+                        "(its prefix cache pays); pow2 is Ray Serve's default (power of two choices on queues)")
     add_settings(p, *COMMON, "redis_url", "port", "model", "deployment")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    fleet = Fleet.check(args.ray, args.replicas, args.max_replicas) if args.ray else None
+    fleet = Fleet.check(args.ray, args.replicas, args.max_replicas, args.router) if args.ray else None
     run_up(settings_from(args).with_env_redis(), demo=args.demo, duration_s=args.duration, users=args.users,
            fleet=fleet)
     return 0
-
-
-@dataclass
-class Fleet:
-    """`--ray`: the replicas as one Ray Serve deployment (`specrl.serving.ray_replicas`) and the drafter trainer as
-    a Ray actor that Ray restarts when its process dies (`specrl.trainer.ray_actor`)."""
-
-    address: str | None  # None: a local Ray cluster
-    replicas: int
-    max_replicas: int
-    trainer: object = None  # the actor, and the ref of its running loop
-    trainer_run: object = None
-
-    @classmethod
-    def check(cls, ray: str, replicas: int, max_replicas: int) -> "Fleet":
-        import importlib.util
-
-        if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
-            raise InvalidRequestError("--ray needs Ray Serve: pip install 'specrl[ray]' (`make install` does)")
-        if replicas < 1 or (max_replicas and max_replicas < replicas):
-            raise InvalidRequestError(f"--replicas must be >= 1 and --max-replicas 0 or >= --replicas (got {replicas}, "
-                                      f"{max_replicas})")
-        return cls(None if ray == "local" else ray, replicas, max_replicas)
-
-    def threads(self, settings: Settings) -> int:
-        return shared_threads(settings.threads, self.replicas + 1)  # each replica and the trainer
-
-    def start(self, settings: Settings) -> str:
-        """Deploy the replicas (each with its share of the cores), wait until Serve runs them all -> the proxy's URL."""
-        from specrl.serving.ray_replicas import run_replicas
-
-        return run_replicas(settings.replace(threads=self.threads(settings)), self.replicas, self.max_replicas or None,
-                            self.address)
-
-    def start_trainer(self, settings: Settings) -> None:
-        from specrl.trainer.ray_actor import start_trainer_actor
-
-        self.trainer, self.trainer_run = start_trainer_actor(settings.replace(threads=self.threads(settings)))
-
-    def trainer_ended(self) -> bool:
-        """Its loop returned or failed for good (a dead process is restarted, and its loop with it)."""
-        import ray
-
-        return self.trainer_run is not None and bool(ray.wait([self.trainer_run], timeout=0)[0])
-
-    def stop(self) -> None:
-        import ray
-
-        from specrl.serving.ray_replicas import stop_replicas
-
-        if self.trainer is not None:
-            self.trainer.stop.remote()
-            ray.wait([self.trainer_run], timeout=60)  # it checkpoints and acks
-        stop_replicas()
 
 
 def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, interval_s: float = 5.0,

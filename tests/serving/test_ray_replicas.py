@@ -1,7 +1,9 @@
 """The server's replicas as one Ray Serve deployment on a local Ray cluster (`specrl up --ray`'s serving part):
-two tiny-model replicas behind Serve's proxy answer the official `openai` client, both write records under their
-own replica names to the deployment's stream, and a drafter announced as the deployment's `current` (no replica
-pushed) reaches both. Slow: a Ray cluster and Serve start in ~15 s."""
+two tiny-model replicas behind Serve's proxy and the front answer the official `openai` client, both write records
+under their own replica names to the deployment's stream, and a drafter announced as the deployment's `current`
+(no replica pushed) reaches both; routed by prefix, every request of a tenant (a long system prompt of its own)
+meets the replica that served the tenant first, while Serve's default router spreads them. Slow: one Ray cluster
+for the module (~5 s), each deployment ~10 s."""
 
 from __future__ import annotations
 
@@ -26,12 +28,22 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the [ray] extra is not installed")]
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 def records(deployment: str) -> list[SegmentRecord]:
     entries = redis.Redis.from_url(REDIS_URL).xrange(events_stream(deployment))
     return [SegmentRecord.from_msgpack(fields[RECORD_FIELD.encode()]) for _, fields in entries]
 
 
-def test_two_replicas_behind_serves_proxy_answer_write_records_and_follow_current(home, tmp_path, tiny_dir):
+def test_two_replicas_behind_serves_proxy_answer_write_records_and_follow_current(ray_cluster, home, tmp_path,
+                                                                                  tiny_dir):
     from openai import OpenAI
 
     from specrl.serving.ray_replicas import run_replicas, stop_replicas
@@ -69,6 +81,53 @@ def test_two_replicas_behind_serves_proxy_answer_write_records_and_follow_curren
             time.sleep(0.2)
         assert {r.replica for r in records(deployment)[seen_at:] if r.drafter_version == v1} == replicas
     finally:
-        stop_replicas()
+        stop_replicas(shutdown_ray=False)
         redis.Redis.from_url(REDIS_URL).delete(events_stream(deployment), current_key(deployment),
                                                control_stream(deployment))
+
+
+def tenants_replicas(url: str, deployment: str, tenants: int = 4, rounds: int = 3) -> list[set[str]]:
+    """Each tenant asks `rounds` questions after its own system prompt (~700 characters: a few of the router's
+    blocks), chat and streamed chat in turn -> the replicas that answered each tenant."""
+    from openai import OpenAI
+
+    client, answered = OpenAI(base_url=url + "/v1", api_key="unused"), [[] for _ in range(tenants)]
+    for r in range(rounds):
+        for t in range(tenants):
+            messages = [{"role": "system", "content": f"Tenant {t} rules. " * 50},
+                        {"role": "user", "content": f"Question {r}?"}]
+            if r % 2:
+                chunks = list(client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=3,
+                                                             stream=True))
+                answered[t].append(chunks[0].id)
+            else:
+                answered[t].append(client.chat.completions.create(model="tiny-random", messages=messages,
+                                                                  max_tokens=3).id)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # records leave in batches
+        replica_of = {r.request_id: r.replica for r in records(deployment)}
+        if all(f"{rid}-0" in replica_of for ids in answered for rid in ids):
+            break
+        time.sleep(0.2)
+    return [{replica_of[f"{rid}-0"] for rid in ids} for ids in answered]
+
+
+@pytest.mark.parametrize("router", ["prefix", "pow2"])
+def test_routed_by_prefix_a_tenant_meets_one_replica_and_tenants_spread(ray_cluster, home, tmp_path, tiny_dir,
+                                                                         router):
+    from specrl.serving.ray_replicas import run_replicas, stop_replicas
+
+    deployment = f"test-ray-{uuid.uuid4().hex[:10]}"
+    settings = Settings.load(home=home, model="tiny-random", redis_url=REDIS_URL, deployment=deployment,
+                             store=str(tmp_path / "store"), port=free_port(), threads=1, drafter="none")
+    try:
+        seen = tenants_replicas(run_replicas(settings, replicas=2, router=router), deployment)
+    finally:
+        stop_replicas(shutdown_ray=False)
+        redis.Redis.from_url(REDIS_URL).delete(events_stream(deployment), current_key(deployment),
+                                               control_stream(deployment))
+    if router == "prefix":
+        assert all(len(replicas) == 1 for replicas in seen), seen
+        assert len(set.union(*seen)) == 2, seen  # a new prefix goes to the replica owning the fewest
+    else:  # each request to either replica: all 4 tenants kept on one replica has odds of 1 in 4,096
+        assert any(len(replicas) == 2 for replicas in seen), seen

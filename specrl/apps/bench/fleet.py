@@ -1,0 +1,246 @@
+"""`specrl bench fleet`: the replicas on Ray Serve (`specrl up --ray`'s serving part), routers side by side.
+
+routing: TTFT by router. T tenants, each with its own system prompt of SYSTEM_TOKENS tokens, take turns (tenant
+0, 1, ..., T-1, 0, 1, ...) asking short questions, `--users` requests at a time, streamed, 8 new tokens. Each
+replica's prefix cache holds `--max-batch` contexts (one per KV slot, least recently used out:
+`engine/prefix_cache.py`), so with T = 2 x max-batch tenants the replicas can hold every tenant only if each holds
+its half: routed by prefix (`serving.ray_router`) a tenant's turns meet the replica that computed its system
+prompt; under Serve's default (power of two choices on queue lengths) each replica sees every tenant, and a
+tenant's next turn finds its prompt evicted more often than not. With T = 1 (one system prompt shared by all) both
+routers hit after the first turn on each replica: the control. Each router gets fresh replicas (cold caches) on
+the same Ray cluster; the first round (each tenant's first prefill) is not counted; routers alternate over
+`--repeats`. The replicas' prefix counters (`vllm:prefix_cache_queries` / `_hits`, summed over replicas) are kept
+per run.
+
+Each replica computes with `--threads` threads (0: one). The Ray cluster: `--nodes 2` starts a head and a second
+node with CPUs for their share of the replicas on this machine
+(`ray.cluster_utils.Cluster`: separate raylets and object stores, one replica per node), `--nodes 1` one local
+node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import threading
+import time
+from pathlib import Path
+
+from specrl.apps.flags import COMMON, add_settings, settings_from
+from specrl.config import Settings
+from specrl.errors import InvalidRequestError
+
+ROUTERS = ("prefix", "pow2")
+TARGET = 0.5  # TTFT p50 routed by prefix over Serve's default, at most (issue 46)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("fleet", help="replicas on Ray Serve: TTFT with long per-tenant system prompts, routed by "
+                                     "prefix vs Serve's default")
+    p.add_argument("--replicas", type=int, default=2, help="serving replicas (default 2)")
+    p.add_argument("--nodes", type=int, default=2, help="Ray nodes started on this machine (default 2)")
+    p.add_argument("--tenants", type=int, default=0, help="system prompts taking turns (default: 2 x --max-batch)")
+    p.add_argument("--rounds", type=int, default=4, help="turns per tenant; the first is not counted (default 4)")
+    p.add_argument("--users", type=int, default=2, help="requests in flight at once (default 2)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per router, alternating (default 1)")
+    p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-fleet-<time>)")
+    add_settings(p, *COMMON, "model", "max_batch")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("replicas", "nodes", "rounds", "users", "repeats"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.rounds < 2:
+        raise InvalidRequestError("--rounds must be at least 2: the first round is not counted")
+    settings = settings_from(args)
+    tenants = args.tenants or 2 * settings.max_batch
+    run_fleet_bench(settings, args.replicas, args.nodes, tenants, args.rounds, args.users, args.repeats, args.out)
+    return 0
+
+
+def run_fleet_bench(settings: Settings, replicas: int, nodes: int, tenants: int, rounds: int, users: int,
+                    repeats: int, out_dir: str | None) -> dict:
+    """Start the Ray cluster, run each router `repeats` times on fresh replicas, print a table, write
+    bench-fleet.json and .png -> the result."""
+    from specrl.apps.bench.backends import machine_record, save_report
+    from specrl.apps.bench.prefix_reuse import SYSTEM_TOKENS
+    from specrl.serving.ray_replicas import run_replicas, stop_replicas
+
+    settings = settings.replace(threads=max(1, settings.threads), redis_url="", follow_current=False)
+    machine = machine_record()
+    cluster = _start_ray(nodes, replicas, settings.threads)
+    runs, prompts = [], None
+    try:
+        for repeat in range(repeats):
+            for router in ROUTERS if repeat % 2 == 0 else ROUTERS[::-1]:
+                print(f"bench fleet: {router} routing, run {repeat + 1} of {repeats}: starting {replicas} replicas",
+                      flush=True)
+                url = run_replicas(settings, replicas, router=router)
+                try:
+                    prompts = prompts or _tenant_prompts(url, settings.model, tenants, SYSTEM_TOKENS)
+                    runs.append({"router": router, "repeat": repeat,
+                                 **_turns(url, settings.model, prompts, rounds, users, router)})
+                finally:
+                    stop_replicas(shutdown_ray=False)
+    finally:
+        _stop_ray(cluster)
+    result = {"bench": "fleet", "machine": machine, "model": settings.model, "replicas": replicas, "nodes": nodes,
+              "threads_per_replica": settings.threads, "max_batch": settings.max_batch, "tenants": tenants,
+              "system_tokens": SYSTEM_TOKENS, "rounds": rounds, "users": users, "runs": runs,
+              "ttft_p50_prefix_over_pow2": _ratio(runs), "target": TARGET}
+    result["met"] = result["ttft_p50_prefix_over_pow2"] is not None and result["ttft_p50_prefix_over_pow2"] <= TARGET
+    save_report(result, "bench-fleet", out_dir, settings.home, _print_table, _plot)
+    return result
+
+
+def _start_ray(nodes: int, replicas: int, threads: int):
+    """-> the cluster_utils Cluster (nodes > 1) or None (one local node); either way Ray is initialized."""
+    import ray
+
+    if nodes == 1:
+        ray.init(num_cpus=replicas * threads, include_dashboard=False, log_to_driver=False)
+        return None
+    from ray.cluster_utils import Cluster
+
+    per_node = max(threads, -(-replicas // nodes) * threads)  # the replicas spread over the nodes
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": per_node, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=per_node)
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def _stop_ray(cluster) -> None:
+    import ray
+
+    ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
+
+
+def _tenant_prompts(url: str, model: str, tenants: int, tokens: int) -> list[str]:
+    from specrl.apps.bench.prefix_reuse import long_text
+
+    return [f"You answer for company {t}. " + long_text(url, model, tokens, random.Random(t)) for t in range(tenants)]
+
+
+def _turns(url: str, model: str, prompts: list[str], rounds: int, users: int, label: str) -> dict:
+    """Round r asks every tenant its r-th question in tenant order, `users` requests at a time -> TTFT (ms) of the
+    rounds after the first, and the replicas' prefix counters over those rounds."""
+    from specrl.apps.bench.prefix_reuse import TURNS, first_token_ms
+
+    def body(tenant: int, turn: int) -> dict:
+        return {"model": model, "messages": [{"role": "system", "content": prompts[tenant]},
+                                             {"role": "user", "content": f"{TURNS[turn % len(TURNS)]} (turn {turn})"}],
+                "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": True}
+
+    chat = url + "/v1/chat/completions"
+    ttft: list[float] = []
+    before = None
+    for turn in range(rounds):
+        if turn == 1:
+            before = _fleet_prefix_counters(url)
+        queue = list(range(len(prompts)))
+        lock, times = threading.Lock(), []
+
+        def user():
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    tenant = queue.pop(0)
+                times.append(first_token_ms(chat, body(tenant, turn))[0])
+
+        workers = [threading.Thread(target=user) for _ in range(users)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if turn:
+            ttft += times
+        print(f"bench fleet: {label}: round {turn + 1}/{rounds}, TTFT p50 {_p(times, 50):.0f} ms", flush=True)
+    after = _fleet_prefix_counters(url)
+    return {"ttft_ms": {"p50": _p(ttft, 50), "p90": _p(ttft, 90), "values": ttft},
+            "prefix_cache_queries": after[0] - before[0], "prefix_cache_hits": after[1] - before[1]}
+
+
+def _fleet_prefix_counters(url: str, tries: int = 40) -> tuple[float, float]:
+    """(queries, hits) summed over the replicas: /metrics through the front reaches one replica at a time, the
+    replica named on its engine-info gauge; read until every replica answered or `tries` pages."""
+    import httpx
+
+    from specrl.apps.bench.serve import prometheus_value
+    from specrl.apps.scrape import info_labels
+
+    seen: dict[str, tuple[float, float]] = {}
+    for _ in range(tries):
+        text = httpx.get(url + "/metrics", timeout=30).text
+        replica = (info_labels(text).get("specrl_engine_info") or [{}])[0].get("replica", "?")
+        seen[replica] = tuple(prometheus_value(text, f"vllm:prefix_cache_{name}_total") or 0.0
+                              for name in ("queries", "hits"))
+        time.sleep(0.05)
+    return sum(q for q, _ in seen.values()), sum(h for _, h in seen.values())
+
+
+def _p(values: list[float], q: float) -> float:
+    from specrl.loadtest.report import percentile
+
+    return percentile(values, q)
+
+
+def _ratio(runs: list[dict]) -> float | None:
+    """Median over repeats of each router's TTFT p50: prefix over pow2."""
+    import statistics
+
+    from specrl.apps.bench.backends import ratio
+
+    p50 = {r: [run["ttft_ms"]["p50"] for run in runs if run["router"] == r] for r in ROUTERS}
+    return ratio(statistics.median(p50["prefix"]) if p50["prefix"] else None,
+                 statistics.median(p50["pow2"]) if p50["pow2"] else None)
+
+
+def _print_table(result: dict) -> None:
+    from specrl.apps.bench.backends import machine_line
+
+    print(f"machine: {machine_line(result['machine'])}")
+    print(f"{result['replicas']} replicas of {result['model']} on {result['nodes']} Ray node(s), "
+          f"{result['threads_per_replica']} thread(s) and {result['max_batch']} KV slots each; {result['tenants']} "
+          f"tenants x {result['system_tokens']}-token system prompts, {result['rounds'] - 1} counted rounds, "
+          f"{result['users']} users")
+    print(f"{'router':<7} {'run':>3} {'TTFT p50 ms':>11} {'p90 ms':>8} {'prefix hits':>11}")
+    for run in result["runs"]:
+        print(f"{run['router']:<7} {run['repeat'] + 1:>3} {run['ttft_ms']['p50']:>11.0f} {run['ttft_ms']['p90']:>8.0f} "
+              f"{run['prefix_cache_hits']:>5.0f}/{run['prefix_cache_queries']:<5.0f}")
+    value = result["ttft_p50_prefix_over_pow2"]
+    print(f"TTFT p50, prefix over pow2: {value:.2f}x (target <= {TARGET}: {'met' if result['met'] else 'NOT met'})"
+          if value is not None else "TTFT p50 ratio: not measured")
+
+
+def _plot(result: dict, path: Path) -> None:
+    """TTFT's distribution (CDF) per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in result["runs"]:
+        values = sorted(run["ttft_ms"]["values"])
+        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
+                label=f"{run['router']} (run {run['repeat'] + 1})", color="C0" if run["router"] == "prefix" else "C1")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("time to first token (ms, log)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(f"{result['replicas']} replicas on Ray Serve, {result['tenants']} tenants x "
+                 f"{result['system_tokens']}-token system prompts")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,79 @@
+"""The loop's processes placed on Ray (`specrl up --ray`).
+
+- the serving replicas: one Ray Serve deployment behind its proxy and a front that routes by prefix
+  (`specrl.serving.ray_replicas`);
+- the drafter trainer: a Ray actor that Ray restarts when its process dies (`specrl.trainer.ray_actor`).
+The process that runs the command stays the single controller: it starts the roles and stops them; Ray places
+them on the cluster (a local one, or `--ray ADDRESS`) and restarts the ones that die.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrl.apps.launch import shared_threads
+from specrl.config import Settings
+from specrl.errors import InvalidRequestError
+
+
+@dataclass
+class Fleet:
+    address: str | None  # None: a local Ray cluster
+    replicas: int
+    max_replicas: int
+    router: str = "prefix"
+    trainers: int = 1  # processes beside the replicas that compute with torch: the drafter trainer
+    trainer: object = None  # the drafter trainer actor, and the ref of its running loop
+    trainer_run: object = None
+
+    @classmethod
+    def check(cls, ray: str, replicas: int, max_replicas: int, router: str = "prefix", trainers: int = 1) -> "Fleet":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+            raise InvalidRequestError("--ray needs Ray Serve: pip install 'specrl[ray]' (`make install` does)")
+        if replicas < 1 or (max_replicas and max_replicas < replicas):
+            raise InvalidRequestError(f"--replicas must be >= 1 and --max-replicas 0 or >= --replicas (got {replicas}, "
+                                      f"{max_replicas})")
+        return cls(None if ray == "local" else ray, replicas, max_replicas, router, trainers)
+
+    def threads(self, settings: Settings) -> int:
+        """Torch threads of each replica and trainer: the cores shared among them."""
+        return shared_threads(settings.threads, self.replicas + self.trainers)
+
+    def cpus(self, settings: Settings) -> float:
+        """Ray CPUs a local cluster needs: a CPU per thread of each replica (up to max_replicas) and trainer, and
+        one to spare. Ray's CPUs are for placement: the torch threads share the machine's cores (`threads`)."""
+        return ((self.max_replicas or self.replicas) + self.trainers) * self.threads(settings) + 1
+
+    def start(self, settings: Settings) -> str:
+        """Deploy the replicas (each with its share of the cores), wait until Serve runs them all -> the proxy's URL."""
+        from specrl.serving.ray_replicas import run_replicas
+
+        return run_replicas(settings.replace(threads=self.threads(settings)), self.replicas, self.max_replicas or None,
+                            self.address, self.router, cpus=self.cpus(settings))
+
+    def start_trainer(self, settings: Settings) -> None:
+        from specrl.trainer.ray_actor import start_trainer_actor
+
+        self.trainer, self.trainer_run = start_trainer_actor(settings.replace(threads=self.threads(settings)))
+
+    def trainer_ended(self) -> bool:
+        """Its loop returned or failed for good (a dead process is restarted, and its loop with it)."""
+        import ray
+
+        return self.trainer_run is not None and bool(ray.wait([self.trainer_run], timeout=0)[0])
+
+    def stop_trainer(self) -> None:
+        import ray
+
+        if self.trainer is not None:
+            self.trainer.stop.remote()
+            ray.wait([self.trainer_run], timeout=60)  # it checkpoints and acks
+            self.trainer = None
+
+    def stop(self) -> None:
+        from specrl.serving.ray_replicas import stop_replicas
+
+        self.stop_trainer()
+        stop_replicas()

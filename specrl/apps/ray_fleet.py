@@ -1,15 +1,20 @@
-"""The loop's processes placed on Ray (`specrl up --ray`).
+"""The loop's processes placed on Ray (`specrl up --ray`, `specrl rl --ray`).
 
 - the serving replicas: one Ray Serve deployment behind its proxy and a front that routes by prefix
   (`specrl.serving.ray_replicas`);
-- the drafter trainer: a Ray actor that Ray restarts when its process dies (`specrl.trainer.ray_actor`).
-The process that runs the command stays the single controller: it starts the roles and stops them; Ray places
-them on the cluster (a local one, or `--ray ADDRESS`) and restarts the ones that die.
+- the drafter trainer: a Ray actor that Ray restarts when its process dies (`specrl.trainer.ray_actor`);
+- with `specrl rl`: the policy trainer (GRPO, `specrl.trainer.ray_policy`), a rollout worker
+  (`specrl.trainer.ray_rollout`) and the scoring workers (`specrl.trainer.envs.ray_worker`), each a Ray actor.
+The process that runs the command stays the single controller (as verl's driver): it starts the roles, moves
+batches between them and stops them; Ray places them on the cluster (a local one, or `--ray ADDRESS`) and
+restarts the ones that die.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 from specrl.apps.launch import shared_threads
 from specrl.config import Settings
@@ -22,7 +27,7 @@ class Fleet:
     replicas: int
     max_replicas: int
     router: str = "prefix"
-    trainers: int = 1  # processes beside the replicas that compute with torch: the drafter trainer
+    trainers: int = 1  # processes beside the replicas that compute with torch: the drafter trainer (+ GRPO in rl)
     trainer: object = None  # the drafter trainer actor, and the ref of its running loop
     trainer_run: object = None
 
@@ -43,7 +48,8 @@ class Fleet:
 
     def cpus(self, settings: Settings) -> float:
         """Ray CPUs a local cluster needs: a CPU per thread of each replica (up to max_replicas) and trainer, and
-        one to spare. Ray's CPUs are for placement: the torch threads share the machine's cores (`threads`)."""
+        one shared by the scoring workers (the rollout worker takes none: it waits on HTTP). Ray's CPUs are for
+        placement: the torch threads share the machine's cores (`threads`)."""
         return ((self.max_replicas or self.replicas) + self.trainers) * self.threads(settings) + 1
 
     def start(self, settings: Settings) -> str:
@@ -77,3 +83,22 @@ class Fleet:
 
         self.stop_trainer()
         stop_replicas()
+
+    # ---- the RL roles (`specrl rl --ray`)
+
+    def policy_trainer(self, settings: Settings, model_dir: Path, config, state_path: Path, store):
+        from specrl.trainer.ray_policy import RemotePolicyTrainer
+
+        return RemotePolicyTrainer(model_dir, config, state_path, store, self.threads(settings))
+
+    def rollout_client(self, url: str, model: str, *, n: int, max_tokens: int):
+        from specrl.trainer.ray_rollout import RemoteRolloutClient
+
+        return RemoteRolloutClient(url, model, n=n, max_tokens=max_tokens)
+
+    def score_pool(self, env_name: str, *, workers: int, timeout_s: float, cache_dir: Path):
+        from specrl.trainer.envs import ScorePool
+        from specrl.trainer.envs.ray_worker import RayScoreWorker
+
+        return ScorePool(env_name, workers=workers, timeout_s=timeout_s, cache_dir=cache_dir,
+                         start_worker=functools.partial(RayScoreWorker, num_cpus=1 / workers))  # one CPU in all

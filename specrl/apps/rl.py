@@ -21,6 +21,10 @@ samples (every `sample_every_s`, and right before and after each swap), with the
 each policy swap took to bring it back within 10% of its pre-swap value; and, at the end, rollout
 tokens/s with and without speculation on the final policy (`_measure_speed`).
 
+With `--ray [ADDRESS]` the roles run on Ray (`ray_fleet.Fleet`): the server as replicas on Ray Serve, the drafter
+trainer, GRPO, the rollout worker and the scoring workers as actors; this process stays the single controller (the
+loop below is the same; the trainer, rollout client and pool are the actors' proxies).
+
 Each deployment has its own weights store (`<home>/rl/<deployment>/weights` unless --store), so
 policies trained by one run never reach another. Restart: run it again with the same --deployment.
 The server serves the store's current policy and drafter, the drafter trainer resumes from its
@@ -47,6 +51,7 @@ import torch
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.apps.launch import free_port, shared_threads, spawn, terminate, wait_healthy
+from specrl.apps.ray_fleet import Fleet
 from specrl.apps.redis_server import RedisServer
 from specrl.apps.rl_report import acceptance_recovery, recovery_summary, write_report
 from specrl.apps.scrape import rates, sample_metrics
@@ -81,6 +86,11 @@ def register(sub) -> None:
     p.add_argument("--policy-lr", type=float, default=2e-6)
     p.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
     p.add_argument("--out", default=None, help="run directory (default <home>/runs/rl-<env>-<time>)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the roles on Ray: the server as replicas on Ray Serve behind its proxy on --port, the "
+                        "drafter trainer, GRPO, a rollout worker and the scoring workers as Ray actors (a local Ray "
+                        "cluster, or join ADDRESS; needs the [ray] extra)")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: serving replicas")
     add_settings(p, *COMMON, "redis_url", "port", "model", "deployment")
     p.set_defaults(run=run)
 
@@ -99,11 +109,12 @@ def add_env_flags(p) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    fleet = Fleet.check(args.ray, args.replicas, 0, trainers=2) if args.ray else None  # drafter trainer + GRPO
     run_rl(settings_from(args).with_env_redis(), env_name=args.env, minutes=args.minutes, group_size=args.group_size,
            tasks_per_step=args.tasks_per_step, publish_every=args.publish_every, eval_every=args.eval_every,
            eval_tasks=args.eval_tasks, max_tokens=args.max_tokens,
            config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag), out_dir=args.out,
-           score_workers=args.score_workers, score_timeout_s=args.score_timeout)
+           score_workers=args.score_workers, score_timeout_s=args.score_timeout, fleet=fleet)
     return 0
 
 
@@ -111,10 +122,11 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
            publish_every: int = 2, eval_every: int = 4, eval_tasks: int = 24, max_tokens: int | None = None,
            config: GRPOConfig | None = None, out_dir: str | None = None, window_tokens: int = 256,
            sample_every_s: float = 1.0, speed_tasks: int = 8, speed_rounds: int = 5, score_workers: int = 4,
-           score_timeout_s: float | None = None) -> dict:
+           score_timeout_s: float | None = None, fleet: Fleet | None = None) -> dict:
     """`env_name`: a `make_env` spec; `max_tokens`, `score_timeout_s`: None for the environment's own;
     `window_tokens`: the acceptance window of the recovery measure (`rl_report.acceptance_recovery`);
-    `speed_tasks` x `speed_rounds`: the rollout speed measurement at the end (`_measure_speed`)."""
+    `speed_tasks` x `speed_rounds`: the rollout speed measurement at the end (`_measure_speed`); `fleet`: the
+    roles on Ray (`specrl.apps.ray_fleet`), else child processes and threads of this one."""
     cache_dir = settings.home / "cache"
     env = make_env(env_name, cache_dir=cache_dir)  # a spec that does not resolve: one line, before any process
     heldout = take_tasks(env, env_name, "heldout", settings.seed, max(eval_tasks, speed_tasks))
@@ -131,28 +143,39 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
     token, url = settings.admin_token or secrets.token_hex(16), f"http://{settings.host}:{settings.port}"
     env_vars = {**os.environ, "SPECRL_ADMIN_TOKEN": token, "SPECRL_HOME": str(settings.home)}
     # The server, the drafter trainer and GRPO (this process) compute at once: the cores split three ways.
-    threads, caller_threads = shared_threads(settings.threads, 3), torch.get_num_threads()
+    threads = fleet.threads(settings) if fleet else shared_threads(settings.threads, 3)
+    caller_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     common = ["--model", settings.model, "--redis-url", redis_server.url, "--deployment", settings.deployment,
               "--store", str(settings.store_path), "--threads", str(threads)]
     children, stop, pause, failed, pool = [], threading.Event(), _Pause(), [], None
     report = {"command": sys.argv, "env": env_name, "model": settings.model, "max_tokens": max_tokens,
-              "heldout_tasks": len(heldout), "steps": [], "evals": [], "samples": [], "publishes": []}
+              "heldout_tasks": len(heldout), "steps": [], "evals": [], "samples": [], "publishes": [],
+              "ray": None if fleet is None else {"address": fleet.address or "local", "replicas": fleet.replicas}}
     events = EventLog(run_dir / "rl-events.jsonl")  # grpo_step, eval, policy_swap: what reports read
     try:
-        pool = ScorePool(env_name, workers=score_workers, timeout_s=timeout_s, cache_dir=cache_dir)
-        _start_children(children, settings, common, env_vars, url, run_dir)
-        trainer = GRPOTrainer(model_dir, config or GRPOConfig(), state_path=policy_state_path(settings), store=store)
+        if fleet is None:
+            pool = ScorePool(env_name, workers=score_workers, timeout_s=timeout_s, cache_dir=cache_dir)
+            _start_children(children, settings, common, env_vars, url, run_dir)
+            trainer = GRPOTrainer(model_dir, config or GRPOConfig(), state_path=policy_state_path(settings),
+                                  store=store)
+        else:
+            pool = fleet.score_pool(env_name, workers=score_workers, timeout_s=timeout_s, cache_dir=cache_dir)
+            url = _start_fleet(fleet, settings.replace(admin_token=token, redis_url=redis_server.url), run_dir)
+            trainer = fleet.policy_trainer(settings, model_dir, config or GRPOConfig(), policy_state_path(settings),
+                                           store)
         if trainer.version != (store.current("policy") or trainer.published[0]):  # resumed past the served one
             _, error = _swap_policy(url, token, trainer.version)
             if error is not None:
                 raise SpecrlError(f"the server did not take the resumed policy {trainer.version}: {error}")
-        client = RolloutClient(url, settings.model, n=group_size, max_tokens=max_tokens)
+        client = RolloutClient(url, settings.model, n=group_size, max_tokens=max_tokens)  # evaluations, here
+        rollouts = (fleet.rollout_client(url, settings.model, n=group_size, max_tokens=max_tokens)
+                    if fleet else client)
         pipeline = RolloutPipeline(pool, max_scoring=2 * tasks_per_step, max_scored=2 * tasks_per_step)
         started, started_wall = time.monotonic(), time.time()
         samples = _Samples(url, started, report["samples"])
-        producer = threading.Thread(target=_produce, args=(env, client, pipeline, stop, pause, settings.seed, failed),
-                                    daemon=True)
+        producer = threading.Thread(target=_produce, args=(env, rollouts, pipeline, stop, pause, settings.seed,
+                                                           failed), daemon=True)
         sampler = threading.Thread(target=samples.run, args=(stop, sample_every_s), daemon=True)
         producer.start()
         sampler.start()
@@ -166,7 +189,7 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         report["evals"].append(evaluate())
         pipeline.start()  # the stages' clocks start with training
         deadline = started + minutes * 60
-        while not failed and all(c.poll() is None for c in children):
+        while not failed and all(c.poll() is None for c in children) and not (fleet and fleet.trainer_ended()):
             batch = pipeline.take(tasks_per_step, deadline)
             if batch is None:
                 break
@@ -181,12 +204,15 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
         if failed:
             raise SpecrlError(f"the rollout thread failed: {failed[0]}")
         report["evals"].append(evaluate())
-        report["rollout_tokens_per_s"] = client.tokens / client.seconds if client.seconds else None
+        report["rollout_tokens_per_s"] = rollouts.tokens / rollouts.seconds if rollouts.seconds else None
         stop.set()
         pipeline.stop()
         producer.join()  # the rollout in flight finishes; no other starts
         sampler.join()
-        terminate(children[1])  # the drafter trainer: nothing but the measured requests runs from here
+        if fleet is None:  # the drafter trainer: nothing but the measured requests runs from here
+            terminate(children[1])
+        else:
+            fleet.stop_trainer()
         report["speed"] = _measure_speed(settings, common, redis_server.url, env_vars, run_dir, url,
                                          heldout[:speed_tasks], n=group_size, max_tokens=max_tokens,
                                          rounds=speed_rounds)
@@ -196,6 +222,8 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
             pool.close()
         for child in reversed(children):
             terminate(child)
+        if fleet is not None:
+            fleet.stop()  # the replicas, the trainer, and with Ray the actors
         redis_server.stop()
         torch.set_num_threads(caller_threads)
     report["drafter_evaluations"] = drafter_evaluations(run_dir / "drafter-events.jsonl", started_wall)
@@ -214,6 +242,15 @@ def _start_children(children: list, settings: Settings, common: list[str], env_v
     children.append(spawn(["train-drafter", *common, "--server", url,
                            "--trainer-events", str(run_dir / "drafter-events.jsonl")], env_vars,
                           run_dir / "drafter-trainer.log"))
+
+
+def _start_fleet(fleet: Fleet, settings: Settings, run_dir: Path) -> str:
+    """The replicas on Ray Serve (waited for until Serve runs them all), then the drafter trainer actor pushing to
+    their proxy -> the proxy's URL."""
+    print(f"specrl rl: starting {fleet.replicas} replica(s) on Ray Serve", file=sys.stderr, flush=True)
+    url = fleet.start(settings)
+    fleet.start_trainer(settings.replace(servers=url, trainer_events=str(run_dir / "drafter-events.jsonl")))
+    return url
 
 
 def _resumable_store(settings: Settings) -> WeightsStore:
@@ -308,8 +345,10 @@ class _Samples:
             if sample is None:
                 return
             sample["eval"] = evaluation or self.evaluating  # read after the scrape: see `evaluation`
-            if self.items:
-                sample.update(rates(self.items[-1], sample))
+            # behind Ray Serve's proxy a scrape reaches any replica: rates compare a replica with itself
+            before = next((s for s in reversed(self.items) if s.get("replica") == sample.get("replica")), None)
+            if before is not None:
+                sample.update(rates(before, sample))
             self.items.append(sample)
 
     @contextlib.contextmanager

@@ -55,13 +55,17 @@ class _Group:
 
 
 class ScorePool:
-    def __init__(self, spec: str, *, workers: int = 4, timeout_s: float, cache_dir: Path | None = None):
+    def __init__(self, spec: str, *, workers: int = 4, timeout_s: float, cache_dir: Path | None = None,
+                 start_worker: Callable[[str, Path | None], "_Worker"] | None = None):
         """`spec`: what `make_env` takes (checked by the caller first: a worker that cannot build it
-        scores every completion 0 with the reason); `timeout_s`: the most one score may take."""
+        scores every completion 0 with the reason); `timeout_s`: the most one score may take;
+        `start_worker(spec, cache_dir)`: a worker with `_Worker`'s interface (default: a local process;
+        `envs.ray_worker.RayScoreWorker`: a Ray actor)."""
         if workers < 1 or not timeout_s > 0:
             raise InvalidRequestError(f"the scoring pool needs workers >= 1 and timeout_s > 0, got {workers} and "
                                       f"{timeout_s}")
         self.spec, self.cache_dir, self.workers, self.timeout_s = spec, cache_dir, workers, float(timeout_s)
+        self._start_worker = start_worker or _Worker
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._counts = {"scores": 0, "busy_s": 0.0, "idle_s": 0.0, "timeouts": 0, "deaths": 0, "faults": 0,
@@ -171,12 +175,12 @@ class ScorePool:
     def _start(self, lane: int) -> tuple[_Worker | None, str | None]:
         if self._closed.is_set():
             return None, "the scoring pool is closed"
-        worker = _Worker(self.spec, self.cache_dir)
+        worker = self._start_worker(self.spec, self.cache_dir)
         with self._lock:
             self._workers[lane] = worker
         try:
             worker.wait_ready()
-        except _StartFailed as exc:
+        except StartFailed as exc:
             worker.close()
             if not self._closed.is_set():
                 log.error("event=score_worker_failed env=%s error=%r", self.spec, str(exc))
@@ -214,7 +218,7 @@ def _closed() -> Score:
     return Score(0.0, {}, "the scoring pool is closed")
 
 
-class _StartFailed(Exception):
+class StartFailed(Exception):
     pass
 
 
@@ -232,13 +236,13 @@ class _Worker:
     def wait_ready(self) -> None:
         try:
             if not self.conn.poll(START_TIMEOUT_S):
-                raise _StartFailed(f"no answer within {START_TIMEOUT_S:g}s")
+                raise StartFailed(f"no answer within {START_TIMEOUT_S:g}s")
             kind, message = self.conn.recv()
         except (EOFError, OSError):
             self.close()
-            raise _StartFailed(f"it exited with status {self.process.exitcode}") from None
+            raise StartFailed(f"it exited with status {self.process.exitcode}") from None
         if kind != "ready":
-            raise _StartFailed(message)
+            raise StartFailed(message)
 
     @property
     def alive(self) -> bool:

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specrl.telemetry import token_use
+from specrl.weights.object_store import Pulls
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
@@ -24,7 +25,22 @@ class ServerMetrics:
         self.itl = Histogram("specrl_inter_token_latency_seconds", "Time between streamed tokens",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.swaps = Counter("specrl_weight_swaps", "Weight swaps", ["role", "result"], registry=self.registry)
+        self.pulls = _Pulls(self.registry)
         self.registry.register(_LoopCollector(loop))
+
+
+class _Pulls(Pulls):
+    """`weights.object_store.pull`'s counts, also on /metrics: specrl_weight_pulls_total{source, outcome}."""
+
+    def __init__(self, registry):
+        super().__init__()
+        self.counter = Counter("specrl_weight_pulls", "Where a swap's weights came from: source local, object "
+                               "(Ray's object store) or durable; outcome ok, missing, corrupt, failed",
+                               ["source", "outcome"], registry=registry)
+
+    def count(self, source: str, outcome: str) -> None:
+        super().count(source, outcome)
+        self.counter.labels(source, outcome).inc()
 
 
 class _LoopCollector:

@@ -3,7 +3,10 @@
 Each replica (`Replica`) is the same FastAPI app `specrl serve` runs (`serving.server.build`: its own engine,
 telemetry sink and follower), built inside the replica's process, so nothing of the engine is pickled; Serve runs
 the app's lifespan before it marks the replica running, so a replica's follower has checked the deployment's
-`current` before it takes traffic (a replica that restarts catches up first). Every replica writes its records
+`current` before it takes traffic (a replica that restarts catches up first). With a durable store (`specrl up
+--ray` sets one) a replica keeps its own store under `<home>/weights-cache/<replica>` and pulls each version it
+must serve from Ray's object store, else the durable store (`weights.object_store`): no disk is shared with the
+trainer. Every replica writes its records
 under its own replica name (Serve's replica id) to the deployment's stream and follows `current` from Redis
 (`serving.follower`): a swap pushed to one replica, or announced by a trainer, reaches all of them.
 
@@ -47,8 +50,11 @@ class Replica:
         from specrl.serving.server import build
 
         torch.set_num_threads(threads)
-        replica = serve.get_replica_context().replica_id.unique_id
-        loop, self.app = build(settings.replace(replica=f"ray-{replica}", threads=threads))
+        name = f"ray-{serve.get_replica_context().replica_id.unique_id}"
+        settings = settings.replace(replica=name, threads=threads)
+        if settings.durable_store:  # its own copy of every version it serves, pulled (its node's disk on a cluster)
+            settings = settings.replace(store=str(settings.home / "weights-cache" / name))
+        loop, self.app = build(settings)
         loop.start()
         self.lifespan = contextlib.AsyncExitStack()
         await self.lifespan.enter_async_context(self.app.router.lifespan_context(self.app))

@@ -21,6 +21,7 @@ from pathlib import Path
 from specrl.models.drafter import EagleDrafter
 from specrl.weights import WeightsStore
 from specrl.weights.deployment import DeploymentVersions
+from specrl.weights.object_store import share
 
 log = logging.getLogger("specrl.trainer")
 
@@ -53,6 +54,8 @@ class Publisher:
             manifest = self.store.publish("drafter", tmp, version=version, parent=parent,
                                           target_version=target_version, metrics=metrics,
                                           architecture={"drafter": drafter.cfg.architecture})
+        if self.versions is not None:  # on Ray: into the object store too, where replicas pull it from
+            share(self.versions.deployment, self.store, "drafter", manifest.version)
         return manifest.version
 
     def swap(self, version: str) -> SwapReport:

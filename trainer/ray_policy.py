@@ -15,16 +15,18 @@ from pathlib import Path
 from specrl.errors import SpecrlError
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer, Rollout, StepStats
 from specrl.weights import WeightsStore
+from specrl.weights.object_store import share
 
 START_TIMEOUT_S = 300.0  # placement, the process's start and the model's load
 
 
 class PolicyTrainerActor:
-    def __init__(self, model_dir: Path, config: GRPOConfig, state_path: Path, store_root: Path, threads: int):
+    def __init__(self, model_dir: Path, config: GRPOConfig, state_path: Path, store_root: Path, threads: int,
+                 deployment: str):
         import torch
 
         torch.set_num_threads(threads)
-        self.store = WeightsStore(store_root)
+        self.store, self.deployment = WeightsStore(store_root), deployment
         self.trainer = GRPOTrainer(model_dir, config, state_path=state_path, store=self.store)
 
     def state(self) -> dict:
@@ -34,19 +36,23 @@ class PolicyTrainerActor:
         return self.trainer.step(rollouts), self.state()
 
     def publish(self, metrics: dict) -> tuple[str, dict]:
-        """-> (the version published, the state). FloatingPointError (non-finite weights) reaches the caller."""
-        return self.trainer.publish(self.store, metrics), self.state()
+        """-> (the version published, the state): into the store (the durable copy), then the object store, where
+        the replicas pull it from. FloatingPointError (non-finite weights) reaches the caller."""
+        version = self.trainer.publish(self.store, metrics)
+        share(self.deployment, self.store, "policy", version)
+        return version, self.state()
 
 
 class RemotePolicyTrainer:
     """The RL loop's view of a PolicyTrainerActor: GRPOTrainer's interface, each call waited for."""
 
-    def __init__(self, model_dir: Path, config: GRPOConfig, state_path: Path, store: WeightsStore, threads: int):
+    def __init__(self, model_dir: Path, config: GRPOConfig, state_path: Path, store: WeightsStore, threads: int,
+                 deployment: str):
         import ray
 
         remote = ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=threads)(PolicyTrainerActor)
         self.store = store
-        self.actor = remote.remote(model_dir, config, state_path, store.root, threads)
+        self.actor = remote.remote(model_dir, config, state_path, store.root, threads, deployment)
         try:
             self._state = ray.get(self.actor.state.remote(), timeout=START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:

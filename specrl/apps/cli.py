@@ -147,7 +147,8 @@ def generate(args: argparse.Namespace) -> int:
 # ---- serve ------------------------------------------------------------------------------------
 def register_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API with speculative decoding")
-    add_settings(p, *COMMON, *ENGINE, "backend", "host", "port", "redis_url", "store", "deployment", "replica",
+    add_settings(p, *COMMON, *ENGINE, "backend", "host", "port", "redis_url", "store", "durable_store", "deployment",
+                 "replica",
                  "telemetry_content", "api_key", "prefix_cache", "record_features", "record_features_max_bytes",
                  "fixed_draft_tokens", "follow_current", "follow_interval_s")
     p.set_defaults(run=serve)

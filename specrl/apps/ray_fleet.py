@@ -56,8 +56,9 @@ class Fleet:
         """Deploy the replicas (each with its share of the cores), wait until Serve runs them all -> the proxy's URL."""
         from specrl.serving.ray_replicas import run_replicas
 
-        return run_replicas(settings.replace(threads=self.threads(settings)), self.replicas, self.max_replicas or None,
-                            self.address, self.router, cpus=self.cpus(settings))
+        durable = settings.durable_store or str(settings.store_path)  # the trainers' store: the fallback
+        return run_replicas(settings.replace(threads=self.threads(settings), durable_store=durable), self.replicas,
+                            self.max_replicas or None, self.address, self.router, cpus=self.cpus(settings))
 
     def start_trainer(self, settings: Settings) -> None:
         from specrl.trainer.ray_actor import start_trainer_actor
@@ -89,7 +90,7 @@ class Fleet:
     def policy_trainer(self, settings: Settings, model_dir: Path, config, state_path: Path, store):
         from specrl.trainer.ray_policy import RemotePolicyTrainer
 
-        return RemotePolicyTrainer(model_dir, config, state_path, store, self.threads(settings))
+        return RemotePolicyTrainer(model_dir, config, state_path, store, self.threads(settings), settings.deployment)
 
     def rollout_client(self, url: str, model: str, *, n: int, max_tokens: int):
         from specrl.trainer.ray_rollout import RemoteRolloutClient

@@ -91,7 +91,7 @@ def register(sub) -> None:
                         "drafter trainer, GRPO, a rollout worker and the scoring workers as Ray actors (a local Ray "
                         "cluster, or join ADDRESS; needs the [ray] extra)")
     p.add_argument("--replicas", type=int, default=1, help="with --ray: serving replicas")
-    add_settings(p, *COMMON, "redis_url", "port", "model", "deployment")
+    add_settings(p, *COMMON, "redis_url", "port", "model", "deployment", "durable_store")
     p.set_defaults(run=run)
 
 

@@ -54,7 +54,7 @@ def register(sub) -> None:
     p.add_argument("--router", choices=("prefix", "pow2"), default="prefix",
                    help="with --ray: prefix sends a request to the replica that computed its context's start last "
                         "(its prefix cache pays); pow2 is Ray Serve's default (power of two choices on queues)")
-    add_settings(p, *COMMON, "redis_url", "port", "model", "deployment")
+    add_settings(p, *COMMON, "redis_url", "port", "model", "deployment", "durable_store")
     p.set_defaults(run=run)
 
 

@@ -178,6 +178,48 @@ class WeightsStore:
         names = [p.name for p in role_dir.iterdir() if VERSION_PATTERN.fullmatch(p.name) and (p / MANIFEST).is_file()]
         return sorted(names, key=_natural)
 
+    def install(self, manifest: Manifest, files: dict[str, bytes]) -> Path:
+        """Write a version published elsewhere (another store, Ray's object store) under its own name and manifest
+        -> its directory. The files are checked against the publisher's manifest (names, bytes, sha256) before the
+        staging directory is renamed into place, so a corrupt copy never appears in the store
+        (CorruptWeightsError). A version already here is verified and kept."""
+        role_dir = self._role_dir(manifest.role)
+        self._check_version(manifest.version)
+        if (role_dir / manifest.version / MANIFEST).is_file():
+            return self.verify(manifest.role, manifest.version)
+        if set(files) != set(manifest.files):
+            raise CorruptWeightsError(f"{manifest.role} {manifest.version}: the copy has files "
+                                      f"{sorted(files)}, the manifest lists {sorted(manifest.files)}")
+        role_dir.mkdir(parents=True, exist_ok=True)
+        staging = role_dir / f".install-{secrets.token_hex(8)}"
+        staging.mkdir()
+        try:
+            for name, data in files.items():
+                relative = Path(name)
+                if relative.is_absolute() or ".." in relative.parts:
+                    raise CorruptWeightsError(f"{manifest.role} {manifest.version}: {name!r} points outside the "
+                                              "version directory")
+                (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+                (staging / relative).write_bytes(data)
+            problems = [p for name, meta in sorted(manifest.files.items()) if (p := _check_file(staging, name, meta))]
+            if problems:
+                raise CorruptWeightsError(f"{manifest.role} {manifest.version}: " + "; ".join(problems))
+            (staging / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2))
+            try:
+                os.rename(staging, role_dir / manifest.version)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise  # another installer won the race: its copy was checked the same way
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return self._version_dir(manifest.role, manifest.version)
+
+    def read_version(self, role: str, version: str) -> tuple[Manifest, dict[str, bytes]]:
+        """A verified version's manifest and file contents, to send to another store (`install`)."""
+        directory = self.verify(role, version)
+        manifest = self.manifest(role, version)
+        return manifest, {name: (directory / name).read_bytes() for name in manifest.files}
+
     # ---- read ------------------------------------------------------------------------------
 
     def versions(self, role: str) -> list[Manifest]:

@@ -70,18 +70,89 @@ def test_two_replicas_behind_serves_proxy_answer_write_records_and_follow_curren
         out = tmp_path / "drafter-v1"
         EagleDrafter.day0(load_llama(tiny_dir), seed=11).save(out)
         v1 = store.publish("drafter", out).version
-        seen_at = len(records(deployment))
         DeploymentVersions(store, REDIS_URL, deployment).set("drafter", v1)  # a trainer that knows no replica
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            client.completions.create(model="tiny-random", prompt="After the swap", max_tokens=4)
-            later = records(deployment)[seen_at:]
-            if {r.replica for r in later if r.drafter_version == v1} == replicas:
-                break
-            time.sleep(0.2)
-        assert {r.replica for r in records(deployment)[seen_at:] if r.drafter_version == v1} == replicas
+        assert serving_replicas(client, deployment, v1) == replicas
     finally:
         stop_replicas(shutdown_ray=False)
+        redis.Redis.from_url(REDIS_URL).delete(events_stream(deployment), current_key(deployment),
+                                               control_stream(deployment))
+
+
+def serving_replicas(client, deployment: str, drafter: str, wait_s: float = 60.0) -> set[str]:
+    """Send requests until every replica seen so far wrote a record on `drafter` (or `wait_s`) -> those replicas."""
+    replicas = {r.replica for r in records(deployment)}
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        client.completions.create(model="tiny-random", prompt="After the swap", max_tokens=4)
+        serving = {r.replica for r in records(deployment) if r.drafter_version == drafter}
+        if serving == replicas:
+            break
+        time.sleep(0.2)
+    return serving
+
+
+def pull_counts(url: str, replicas: set[str], pages: int = 40) -> dict[str, dict[tuple[str, str], float]]:
+    """Each replica's specrl_weight_pulls_total by (source, outcome), from /metrics pages through the proxy."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    seen: dict[str, dict] = {}
+    for _ in range(pages):
+        text = httpx.get(url + "/metrics", timeout=30).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        replica = families["specrl_engine_info"].samples[0].labels["replica"]
+        pulls = families.get("specrl_weight_pulls")
+        seen[replica] = {(s.labels["source"], s.labels["outcome"]): s.value for s in (pulls.samples if pulls else [])
+                         if s.name.endswith("_total")}
+        if set(seen) == replicas:
+            break
+    return seen
+
+
+def test_without_a_shared_disk_replicas_pull_from_the_object_store_then_the_durable_store(ray_cluster, home,
+                                                                                          tmp_path, tiny_dir):
+    """The trainer's store is only the durable copy: each replica keeps its own store, takes a version shared into
+    the object store from there, and one that was not shared from the durable store; both verified."""
+    from openai import OpenAI
+
+    from specrl.serving.ray_replicas import run_replicas, stop_replicas
+    from specrl.weights.object_store import publish_object, registry
+
+    deployment, store = f"test-ray-{uuid.uuid4().hex[:10]}", WeightsStore(tmp_path / "trainer-store")
+    settings = Settings.load(home=home, model="tiny-random", redis_url=REDIS_URL, deployment=deployment,
+                             store=str(store.root), durable_store=f"file://{store.root}", port=free_port(), threads=1,
+                             follow_interval_s=0.5)
+    try:
+        url = run_replicas(settings, replicas=2)
+        client = OpenAI(base_url=url + "/v1", api_key="unused")
+        assert len(serving_replicas(client, deployment, "day0")) == 2
+        replicas = {r.replica for r in records(deployment)}
+        versions = DeploymentVersions(store, REDIS_URL, deployment)
+        drafter = load_llama(tiny_dir)
+        for seed in (11, 12):
+            out = tmp_path / f"drafter-{seed}"
+            EagleDrafter.day0(drafter, seed=seed).save(out)
+            version = store.publish("drafter", out).version
+            if seed == 11:
+                publish_object(deployment, store, "drafter", version)  # v1 shared; v2 only in the durable store
+            versions.set("drafter", version)
+            assert serving_replicas(client, deployment, version) == replicas
+        for replica in replicas:  # each replica's own copy, verified
+            cache = WeightsStore(home / "weights-cache" / replica)
+            assert [m.version for m in cache.versions("drafter")] == ["v1", "v2"]
+            assert cache.read_version("drafter", "v2") == store.read_version("drafter", "v2")
+        counts = pull_counts(url, replicas)
+        assert set(counts) == replicas
+        for replica_counts in counts.values():
+            assert replica_counts[("object", "ok")] == 1 and replica_counts[("durable", "ok")] == 1
+            assert replica_counts[("object", "missing")] == 1  # v2 was not in the object store
+    finally:
+        stop_replicas(shutdown_ray=False)
+        owner = registry(deployment)
+        if owner is not None:
+            import ray
+
+            ray.kill(owner)
         redis.Redis.from_url(REDIS_URL).delete(events_stream(deployment), current_key(deployment),
                                                control_stream(deployment))
 

@@ -94,7 +94,7 @@ class Settings:
     vllm_kv_cache_mb: int = setting(1024, "vLLM backend: KV cache MiB (on CPU vLLM otherwise takes most of the memory)")
     # ---- reward events
     redis_url: str = setting("", "Redis URL for reward events (empty: records stay in memory)")
-    deployment: str = setting("default", "deployment name: the stream specrl:<deployment>:events")
+    deployment: str = setting("default", "deployment name: the stream {specrl:<deployment>}:events")
     replica: str = setting("0", "this server's replica name in the records")
     telemetry_content: bool = setting(True, "record token ids (off: counters only)")
     telemetry_maxlen: int = setting(100_000, "approximate stream length kept in Redis")

@@ -30,6 +30,7 @@ import pytest
 import redis
 
 from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
+from specrl.telemetry import events_stream
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
@@ -54,7 +55,7 @@ class LiveServer:
 
     @property
     def stream(self) -> str:
-        return f"specrl:{self.deployment}:events"
+        return events_stream(self.deployment)
 
     def admin_headers(self) -> dict:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -58,6 +58,7 @@ from specrl.apps.scrape import rates, sample_metrics
 from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.errors import SpecrlError
+from specrl.redis_conn import connect
 from specrl.telemetry.event_log import EventLog, read_events
 from specrl.telemetry.redis_sink import events_stream
 from specrl.trainer.envs import ENV_HELP, ScorePool, env_max_tokens, env_timeout_s, make_env, take_tasks
@@ -452,7 +453,7 @@ def _measure_speed(settings: Settings, flags: list[str], redis_url: str, env_var
 
 def _delete_stream(redis_url: str, stream: str) -> None:
     try:
-        redis.Redis.from_url(redis_url).delete(stream)
+        connect(redis_url).delete(stream)
     except redis.RedisError as exc:
         log.warning("event=stream_not_deleted stream=%s error=%r", stream, exc)
 

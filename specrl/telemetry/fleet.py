@@ -1,6 +1,6 @@
 """Learning from the fleet: other replicas' finished requests, from the event stream into the suffix index.
 
-Every replica appends its records to `specrl:<deployment>:events`; `FleetFeed` reads that stream
+Every replica appends its records to `{specrl:<deployment>}:events`; `FleetFeed` reads that stream
 on a background thread with plain XREAD (no consumer group: every replica reads every record),
 from the entries that arrive after it starts, and rebuilds each request from its segments (the
 prompt in segment 0, the committed tokens of every segment; the last one carries a finish
@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 import redis
 
+from specrl.redis_conn import connect
 from specrl.telemetry.record import SegmentRecord
 from specrl.telemetry.redis_sink import RECORD_FIELD
 
@@ -37,7 +38,7 @@ class FleetFeed:
         """index: a `SuffixIndex` (add(key, tokens) -> bool). deployment: keep only its records."""
         self.stream, self.replica, self.index, self.deployment = stream, replica, index, deployment
         self.max_open = max_open
-        self._redis = redis.Redis.from_url(url, socket_timeout=self.BLOCK_MS / 1000 + 5, protocol=2)
+        self._redis = connect(url, socket_timeout=self.BLOCK_MS / 1000 + 5, protocol=2)
         self._open: OrderedDict[str, tuple[list[int], int]] = OrderedDict()  # request -> (tokens, next segment)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specrl-fleet-feed", daemon=True)

@@ -20,6 +20,7 @@ import logging
 
 import redis
 
+from specrl.redis_conn import connect
 from specrl.telemetry.record import SegmentRecord
 from specrl.telemetry.redis_sink import RECORD_FIELD
 
@@ -52,7 +53,7 @@ class RecordReader:
         self.dead_letter_stream = dead_letter_stream or stream + DEAD_LETTER_SUFFIX
         self.dead_lettered = 0
         self.trimmed = 0
-        self._redis = redis.Redis.from_url(url, socket_timeout=self.SOCKET_TIMEOUT_S, protocol=2)
+        self._redis = connect(url, socket_timeout=self.SOCKET_TIMEOUT_S, protocol=2)
         self._pending_cursor: str | None = "0"  # None once our own pending entries are read
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ thread drains the queue in batches into one pipelined round trip of
 is dropped and counted: the decode path never waits on Redis.
 
 Stream layout (what `specrl.telemetry.reader.RecordReader` reads):
-- key `specrl:<deployment>:events` (`events_stream`);
+- key `{specrl:<deployment>}:events` (`events_stream`);
 - one entry per record with one field, `r` (`RECORD_FIELD`): `SegmentRecord.to_msgpack()`.
 
 Redis down or slow: the sender stops taking records while it has no connection and retries
@@ -38,6 +38,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from specrl.redis_conn import connect, deployment_key
 from specrl.telemetry.record import SegmentRecord, StepRecord
 from specrl.telemetry.sink import record_tokens
 
@@ -48,8 +49,8 @@ STRIPPED_TOKEN = -1  # stands for a token id that `strip_content` removed
 
 
 def events_stream(deployment: str) -> str:
-    """The stream key every replica of `deployment` appends its records to."""
-    return f"specrl:{deployment}:events"
+    """The stream key every replica of `deployment` appends its records to: `{specrl:<deployment>}:events`."""
+    return deployment_key(deployment, "events")
 
 
 def strip_content(record: SegmentRecord) -> SegmentRecord:
@@ -114,9 +115,8 @@ class RedisSink:
         self._lock = threading.Lock()
         self._queue: queue.Queue[SegmentRecord] = queue.Queue(maxsize=queue_size)
         # Built here so a malformed URL fails at construction; it connects lazily.
-        self._client = redis.Redis.from_url(
-            url, socket_timeout=self.SOCKET_TIMEOUT_S,
-            socket_connect_timeout=self.SOCKET_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
+        self._client = connect(url, socket_timeout=self.SOCKET_TIMEOUT_S,
+                               socket_connect_timeout=self.SOCKET_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
         self._closing = threading.Event()
         self._outage_logged = False
         self._deadline = float("inf")  # monotonic time after which close stops flushing

@@ -2,8 +2,8 @@
 
 `current` is one value per role (policy, drafter) for the whole deployment, kept in two places:
   - the store's `current` pointer (`WeightsStore.set_current`): durable, what a replica loads when it starts;
-  - with Redis, the hash `specrl:<deployment>:current` ({role: version, <role>_mode: swap mode}) and one entry
-    per change on the stream `specrl:<deployment>:control`: how replicas that share no disk learn of a change,
+  - with Redis, the hash `{specrl:<deployment>}:current` ({role: version, <role>_mode: swap mode}) and one entry
+    per change on the stream `{specrl:<deployment>}:control`: how replicas that share no disk learn of a change,
     and wake at once (XREAD BLOCK) instead of at their next poll.
 `set` writes the store first, then Redis; `get` reads Redis's hash where it names a role, else the store's
 pointer (no Redis, Redis down, or a role never announced there). Redis trouble is never raised: it is
@@ -20,6 +20,7 @@ import time
 
 import redis
 
+from specrl.redis_conn import connect, deployment_key
 from specrl.weights.store import ROLES, WeightsStore
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,11 @@ CONTROL_MAXLEN = 1000  # announcements kept on the control stream (a replica nee
 
 
 def current_key(deployment: str) -> str:
-    return f"specrl:{deployment}:current"
+    return deployment_key(deployment, "current")
 
 
 def control_stream(deployment: str) -> str:
-    return f"specrl:{deployment}:control"
+    return deployment_key(deployment, "control")
 
 
 class DeploymentVersions:
@@ -42,8 +43,8 @@ class DeploymentVersions:
         blocks at most."""
         self.store, self.deployment, self.wait_s = store, deployment, wait_s
         self.key, self.stream = current_key(deployment), control_stream(deployment)
-        self._redis = (redis.Redis.from_url(redis_url, socket_timeout=wait_s + 5, socket_connect_timeout=2,
-                                            decode_responses=True, protocol=2) if redis_url else None)
+        self._redis = (connect(redis_url, socket_timeout=wait_s + 5, socket_connect_timeout=2, decode_responses=True,
+                               protocol=2) if redis_url else None)
         self.redis_errors = 0
 
     def set(self, role: str, version: str, mode: str = DEFAULT_MODE) -> None:

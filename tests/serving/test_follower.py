@@ -15,6 +15,7 @@ import redis
 
 from specrl.models.drafter import WEIGHTS_FILE, EagleDrafter
 from specrl.models.llama import load_llama
+from specrl.telemetry import events_stream
 from specrl.weights import WeightsStore
 from specrl.weights.deployment import DeploymentVersions, control_stream, current_key
 from tests.backends import ADMIN_TOKEN, REDIS_URL, publish_start_version, spawn_server, start_server
@@ -42,7 +43,7 @@ def fleet(home, tmp_path, tiny_dir):
     for server in started:
         server.stop()
     redis.Redis.from_url(REDIS_URL).delete(current_key(deployment), control_stream(deployment),
-                                           f"specrl:{deployment}:events")
+                                           events_stream(deployment))
 
 
 def publish_drafter(store: WeightsStore, tiny_dir, tmp_path, seed: int) -> str:

@@ -77,8 +77,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_events_stream_key():
-    assert events_stream("prod-a") == "specrl:prod-a:events"
+def test_events_stream_key_carries_the_deployments_hash_tag():
+    assert events_stream("prod-a") == "{specrl:prod-a}:events"  # one Redis Cluster slot per deployment
 
 
 def test_strip_content_keeps_ids_versions_and_counters():

@@ -12,6 +12,7 @@ from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.apps.launch import free_port
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer
 from specrl.apps.rl import policy_state_path, run_rl
+from specrl.telemetry import events_stream
 from specrl.weights import WeightsStore
 from tests.serving.conftest import REDIS_URL
 
@@ -28,7 +29,7 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
                         config=GRPOConfig(lr=1e-4, max_lag=1), out_dir=str(tmp_path / "run"), window_tokens=16,
                         sample_every_s=0.5, speed_tasks=2, speed_rounds=1)
     finally:
-        redis.Redis.from_url(REDIS_URL).delete(f"specrl:{deployment}:events", f"specrl:{deployment}:events:dead")
+        redis.Redis.from_url(REDIS_URL).delete(events_stream(deployment), events_stream(deployment) + ":dead")
     published = [p["version"] for p in report["publishes"] if "version" in p]
     assert report["steps"] and len(report["evals"]) >= 2
     # a policy is published whenever a step trained on something; each was swapped in (interrupt)
@@ -62,7 +63,7 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
     assert speed["without_speculation"]["records_sent"] > 0
     for arm in ("with_speculation", "without_speculation"):  # each engine's decode steps: a share of the request time
         assert speed[arm]["steps"] > 0 and 0 < speed[arm]["decode_seconds"] <= speed[arm]["seconds"]
-    assert not redis.Redis.from_url(REDIS_URL).exists(f"specrl:{deployment}-no-speculation:events")
+    assert not redis.Redis.from_url(REDIS_URL).exists(events_stream(f"{deployment}-no-speculation"))
     logs = "".join((tmp_path / "run" / name).read_text()
                    for name in ("server.log", "drafter-trainer.log", "server-no-speculation.log"))
     assert "Traceback" not in logs

@@ -74,6 +74,7 @@ from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.apps.traffic import Traffic
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError, SpecrlError
+from specrl.redis_conn import connect
 from specrl.models.calibration import cpu_info
 from specrl.telemetry.event_log import read_events
 from specrl.telemetry.fleet import FleetFeed
@@ -375,7 +376,7 @@ class Run:
         from specrl.trainer.main import GROUP
         from specrl.apps.scrape import rates, sample_metrics, sample_trainer, yield_of
 
-        client = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        client = connect(self.redis_url, decode_responses=True)
         previous, next_served = None, 0.0
         while not self.finished.wait(POLL_S):
             if self.paused.is_set():
@@ -399,9 +400,7 @@ class Run:
 
     def _collect(self) -> dict:
         """Arrival times of every record on the stream (entry ids), before the stream goes."""
-        import redis
-
-        client = redis.Redis.from_url(self.redis_url, protocol=2)  # payloads are msgpack: ids only are decoded
+        client = connect(self.redis_url, protocol=2)  # payloads are msgpack: ids only are decoded
         arrivals, cursor = [], "-"
         while True:
             entries = [(i.decode(), f) for i, f in client.xrange(self.stream, min=cursor, max="+", count=500)]
@@ -426,7 +425,7 @@ class Run:
             if name in self.children:
                 terminate(self.children[name])
         try:
-            redis.Redis.from_url(self.redis_url).delete(self.stream, self.stream + DEAD_LETTER_SUFFIX)
+            connect(self.redis_url).delete(self.stream, self.stream + DEAD_LETTER_SUFFIX)
         except redis.RedisError:
             pass
         shutil.rmtree(self.settings.home / "trainer" / self.deployment, ignore_errors=True)

@@ -70,6 +70,7 @@ from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
 from specrl.loadtest import report, swap_driver
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
+from specrl.redis_conn import connect
 
 # Run by locust in its own process, never imported here: importing locust patches the network (gevent).
 LOCUSTFILE = Path(importlib.util.find_spec("specrl.loadtest.locustfile").origin)
@@ -255,9 +256,7 @@ class _Server:
         return server
 
     def _redis(self):
-        import redis
-
-        return redis.Redis.from_url(self.redis_url)
+        return connect(self.redis_url)
 
     def last_event_id(self) -> str | None:
         """The id of the newest entry of its stream ("0-0" before the first; None without telemetry)."""

@@ -137,7 +137,8 @@ def run_replicas(settings: Settings, replicas: int, max_replicas: int | None = N
                  router: str = "prefix", cpus: float = 0):
     """Join (address) or start a local Ray cluster, start Serve's proxy on settings.host:settings.port (on the head
     node only), deploy the front and the replicas and wait until Serve runs them all -> the proxy's URL. A local
-    cluster gets `cpus` Ray CPUs (0: one per thread of the replicas and of a trainer actor), at least the
+    cluster is a new one (`address="local"`: never a cluster another program started on this machine, which
+    `ray.init()` alone would join) with `cpus` Ray CPUs (0: one per thread of the replicas and of a trainer actor), at least the
     machine's cores. `stop_replicas` undoes it."""
     import ray
 
@@ -146,7 +147,8 @@ def run_replicas(settings: Settings, replicas: int, max_replicas: int | None = N
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         else:
             cpus = cpus or ((max_replicas or replicas) + 1) * max(1, settings.threads)  # + a trainer
-            ray.init(num_cpus=max(os.cpu_count() or 2, cpus), include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 2, cpus), include_dashboard=False,
+                     log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
     serve.run(replica_application(settings, replicas, max_replicas, router), name=APP_NAME, route_prefix="/")
     return f"http://{settings.host}:{settings.port}"

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow,
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -37,7 +37,7 @@ def test_a_killed_trainer_actor_is_restarted_resumes_from_its_checkpoint_and_ack
                              store=str(tmp_path / "store"), threads=1, train_records=2, checkpoint_every_steps=1,
                              heldout_fraction=0.25, publish_every_steps=10 ** 6, publish_every_s=10 ** 6)
     state = home / "trainer" / deployment / f"{settings.consumer}.pt"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor, run = start_trainer_actor(settings)
         first = ray.get(actor.process.remote(), timeout=60)

@@ -25,7 +25,8 @@ def ray_cluster():
     import ray
 
     path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])  # user_envs:Name resolves in actors
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
 

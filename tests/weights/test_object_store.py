@@ -68,7 +68,7 @@ def test_a_durable_store_url_fsspec_cannot_open_is_one_clear_error(tmp_path):
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -12,6 +12,16 @@ the same Ray cluster; the first round (each tenant's first prefill) is not count
 `--repeats`. The replicas' prefix counters (`vllm:prefix_cache_queries` / `_hits`, summed over replicas) are kept
 per run.
 
+publish and restart (`--scenarios`): one deployment of the replicas (prefix routing, Redis, each replica with its
+own store and the bench's store as the durable one), light traffic throughout (`--users` clients, 4 new tokens
+a request). publish: drafter versions published the way a trainer on Ray does (into the store, into the object
+store, then the deployment's `current` on Redis), one every few seconds; for each, the seconds from the publish's
+start to each replica's first record on it (the record's stream entry time: its segment ends within the few steps
+of a short request, so this is an upper bound on the replica's first step on it). restart: one replica's process
+is SIGKILLed; Serve starts another, which takes traffic once its follower serves `current`; the seconds from the
+kill to the first record of a new replica, and on which drafter. Requests that failed in each scenario are
+counted (only those in flight on the killed replica may fail).
+
 Each replica computes with `--threads` threads (0: one). The Ray cluster: `--nodes 2` starts a head and a second
 node with CPUs for their share of the replicas on this machine
 (`ray.cluster_utils.Cluster`: separate raylets and object stores, one replica per node), `--nodes 1` one local
@@ -31,6 +41,7 @@ from specrl.config import Settings
 from specrl.errors import InvalidRequestError
 
 ROUTERS = ("prefix", "pow2")
+SCENARIOS = ("routing", "publish", "restart")
 TARGET = 0.5  # TTFT p50 routed by prefix over Serve's default, at most (issue 46)
 
 
@@ -43,8 +54,10 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=int, default=4, help="turns per tenant; the first is not counted (default 4)")
     p.add_argument("--users", type=int, default=2, help="requests in flight at once (default 2)")
     p.add_argument("--repeats", type=int, default=1, help="runs per router, alternating (default 1)")
+    p.add_argument("--scenarios", default="routing", help=f"comma-separated: {', '.join(SCENARIOS)} (default routing)")
+    p.add_argument("--publishes", type=int, default=5, help="publish: drafter versions published (default 5)")
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-fleet-<time>)")
-    add_settings(p, *COMMON, "model", "max_batch")
+    add_settings(p, *COMMON, "model", "max_batch", "redis_url")
     p.set_defaults(run=run)
 
 
@@ -54,26 +67,32 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.rounds < 2:
         raise InvalidRequestError("--rounds must be at least 2: the first round is not counted")
-    settings = settings_from(args)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    if not scenarios or set(scenarios) - set(SCENARIOS):
+        raise InvalidRequestError(f"--scenarios takes some of {', '.join(SCENARIOS)}; got {args.scenarios!r}")
+    settings = settings_from(args).with_env_redis()
     tenants = args.tenants or 2 * settings.max_batch
-    run_fleet_bench(settings, args.replicas, args.nodes, tenants, args.rounds, args.users, args.repeats, args.out)
+    run_fleet_bench(settings, args.replicas, args.nodes, tenants, args.rounds, args.users, args.repeats, args.out,
+                    scenarios=scenarios, publishes=args.publishes)
     return 0
 
 
 def run_fleet_bench(settings: Settings, replicas: int, nodes: int, tenants: int, rounds: int, users: int,
-                    repeats: int, out_dir: str | None) -> dict:
-    """Start the Ray cluster, run each router `repeats` times on fresh replicas, print a table, write
-    bench-fleet.json and .png -> the result."""
+                    repeats: int, out_dir: str | None, scenarios: list[str] = ("routing",),
+                    publishes: int = 5) -> dict:
+    """Start the Ray cluster, run the scenarios (routing: each router `repeats` times on fresh replicas), print a
+    table, write bench-fleet.json and .png -> the result."""
     from specrl.apps.bench.backends import machine_record, save_report
     from specrl.apps.bench.prefix_reuse import SYSTEM_TOKENS
     from specrl.serving.ray_replicas import run_replicas, stop_replicas
 
+    redis_url = settings.redis_url  # publish/restart need Redis (this one, or an embedded one); routing none
     settings = settings.replace(threads=max(1, settings.threads), redis_url="", follow_current=False)
     machine = machine_record()
     cluster = _start_ray(nodes, replicas, settings.threads)
-    runs, prompts = [], None
+    runs, prompts, lifecycle = [], None, None
     try:
-        for repeat in range(repeats):
+        for repeat in range(repeats if "routing" in scenarios else 0):
             for router in ROUTERS if repeat % 2 == 0 else ROUTERS[::-1]:
                 print(f"bench fleet: {router} routing, run {repeat + 1} of {repeats}: starting {replicas} replicas",
                       flush=True)
@@ -84,12 +103,17 @@ def run_fleet_bench(settings: Settings, replicas: int, nodes: int, tenants: int,
                                  **_turns(url, settings.model, prompts, rounds, users, router)})
                 finally:
                     stop_replicas(shutdown_ray=False)
+        if {"publish", "restart"} & set(scenarios):
+            from specrl.apps.bench.fleet_lifecycle import run_lifecycle
+
+            lifecycle = run_lifecycle(settings.replace(redis_url=redis_url), replicas, users, publishes,
+                                      "restart" in scenarios)
     finally:
         _stop_ray(cluster)
     result = {"bench": "fleet", "machine": machine, "model": settings.model, "replicas": replicas, "nodes": nodes,
               "threads_per_replica": settings.threads, "max_batch": settings.max_batch, "tenants": tenants,
               "system_tokens": SYSTEM_TOKENS, "rounds": rounds, "users": users, "runs": runs,
-              "ttft_p50_prefix_over_pow2": _ratio(runs), "target": TARGET}
+              "ttft_p50_prefix_over_pow2": _ratio(runs), "target": TARGET, "lifecycle": lifecycle}
     result["met"] = result["ttft_p50_prefix_over_pow2"] is not None and result["ttft_p50_prefix_over_pow2"] <= TARGET
     save_report(result, "bench-fleet", out_dir, settings.home, _print_table, _plot)
     return result
@@ -100,7 +124,7 @@ def _start_ray(nodes: int, replicas: int, threads: int):
     import ray
 
     if nodes == 1:
-        ray.init(num_cpus=replicas * threads, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=replicas * threads, include_dashboard=False, log_to_driver=False)
         return None
     from ray.cluster_utils import Cluster
 
@@ -206,41 +230,69 @@ def _print_table(result: dict) -> None:
 
     print(f"machine: {machine_line(result['machine'])}")
     print(f"{result['replicas']} replicas of {result['model']} on {result['nodes']} Ray node(s), "
-          f"{result['threads_per_replica']} thread(s) and {result['max_batch']} KV slots each; {result['tenants']} "
-          f"tenants x {result['system_tokens']}-token system prompts, {result['rounds'] - 1} counted rounds, "
-          f"{result['users']} users")
-    print(f"{'router':<7} {'run':>3} {'TTFT p50 ms':>11} {'p90 ms':>8} {'prefix hits':>11}")
-    for run in result["runs"]:
-        print(f"{run['router']:<7} {run['repeat'] + 1:>3} {run['ttft_ms']['p50']:>11.0f} {run['ttft_ms']['p90']:>8.0f} "
-              f"{run['prefix_cache_hits']:>5.0f}/{run['prefix_cache_queries']:<5.0f}")
-    value = result["ttft_p50_prefix_over_pow2"]
-    print(f"TTFT p50, prefix over pow2: {value:.2f}x (target <= {TARGET}: {'met' if result['met'] else 'NOT met'})"
-          if value is not None else "TTFT p50 ratio: not measured")
+          f"{result['threads_per_replica']} thread(s) and {result['max_batch']} KV slots each")
+    if result["runs"]:
+        print(f"routing: {result['tenants']} tenants x {result['system_tokens']}-token system prompts, "
+              f"{result['rounds'] - 1} counted rounds, {result['users']} users")
+        print(f"{'router':<7} {'run':>3} {'TTFT p50 ms':>11} {'p90 ms':>8} {'prefix hits':>11}")
+        for run in result["runs"]:
+            print(f"{run['router']:<7} {run['repeat'] + 1:>3} {run['ttft_ms']['p50']:>11.0f} "
+                  f"{run['ttft_ms']['p90']:>8.0f} {run['prefix_cache_hits']:>5.0f}/{run['prefix_cache_queries']:<5.0f}")
+        value = result["ttft_p50_prefix_over_pow2"]
+        print(f"TTFT p50, prefix over pow2: {value:.2f}x (target <= {TARGET}: {'met' if result['met'] else 'NOT met'})"
+              if value is not None else "TTFT p50 ratio: not measured")
+    life = result.get("lifecycle")
+    if life:
+        publish = life["publish"]
+        print(f"publish -> each replica's first record on it: p50 {publish['p50_s']} s, p90 {publish['p90_s']} s "
+              f"over {len(publish['rows'])} versions x {len(life['replicas'])} replicas (target p50 <= 2 s)")
+        restart = life.get("restart")
+        if restart:
+            print(f"restart: SIGKILL -> a new replica's first record: {restart.get('seconds_to_first_record')} s on "
+                  f"drafter {restart.get('drafter')} (serves current: {restart.get('serves_current')}; target "
+                  f"<= 20 s); requests failed around the kill: {restart.get('failed_requests')}"
+                  if "error" not in restart else f"restart: {restart['error']}")
+        print(f"requests: {life['requests']}, failed {life['failed_requests']} "
+              f"({life['failed_requests_before_restart']} before the restart)")
 
 
 def _plot(result: dict, path: Path) -> None:
-    """TTFT's distribution (CDF) per run."""
+    """TTFT's distribution (CDF) per routing run; the seconds from each publish to each replica's first record."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in result["runs"]:
-        values = sorted(run["ttft_ms"]["values"])
-        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
-                label=f"{run['router']} (run {run['repeat'] + 1})", color="C0" if run["router"] == "prefix" else "C1")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("time to first token (ms, log)")
-    ax.set_ylabel("share of requests")
-    ax.set_title(f"{result['replicas']} replicas on Ray Serve, {result['tenants']} tenants x "
-                 f"{result['system_tokens']}-token system prompts")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    life = result.get("lifecycle")
+    panels = [p for p in ("routing" if result["runs"] else None, "publish" if life else None) if p]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(7 * max(1, len(panels)), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "routing":
+            for run in result["runs"]:
+                values = sorted(run["ttft_ms"]["values"])
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
+                        label=f"{run['router']} (run {run['repeat'] + 1})",
+                        color="C0" if run["router"] == "prefix" else "C1")
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlabel("time to first token (ms, log)")
+            ax.set_ylabel("share of requests")
+            ax.set_title(f"{result['replicas']} replicas on Ray Serve, {result['tenants']} tenants x "
+                         f"{result['system_tokens']}-token system prompts")
+        else:
+            rows = life["publish"]["rows"]
+            for j, replica in enumerate(life["replicas"]):
+                ax.plot(range(1, len(rows) + 1), [row["seconds"].get(replica) for row in rows], "o-",
+                        label=replica, color=f"C{j}")
+            ax.axhline(2.0, color="grey", linestyle="--", label="target (p50)")
+            ax.set_xlabel("published drafter (in order)")
+            ax.set_ylabel("publish -> replica's first record on it (s)")
+            ax.set_title("a publish reaching each replica")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

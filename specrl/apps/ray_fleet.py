@@ -40,6 +40,8 @@ class Fleet:
         if replicas < 1 or (max_replicas and max_replicas < replicas):
             raise InvalidRequestError(f"--replicas must be >= 1 and --max-replicas 0 or >= --replicas (got {replicas}, "
                                       f"{max_replicas})")
+        if ray not in ("local", "auto"):
+            _check_answers(ray)
         return cls(None if ray == "local" else ray, replicas, max_replicas, router, trainers)
 
     def threads(self, settings: Settings) -> int:
@@ -103,3 +105,18 @@ class Fleet:
 
         return ScorePool(env_name, workers=workers, timeout_s=timeout_s, cache_dir=cache_dir,
                          start_worker=functools.partial(RayScoreWorker, num_cpus=1 / workers))  # one CPU in all
+
+
+def _check_answers(address: str, timeout_s: float = 3.0) -> None:
+    """A Ray address (host:port, or ray://host:port) that nothing answers is one line now, not Ray's minutes of
+    retries."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidRequestError(f"--ray {address}: give HOST:PORT of a Ray cluster's head (or ray://HOST:PORT)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise InvalidRequestError(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc}); start one "
+                                  "with `ray start --head`, or leave ADDRESS out for a local cluster") from None

@@ -1,6 +1,7 @@
 """`specrl up`'s status line: the trainer's production vs consumption, lag, expired and replayed
 records and the token yield, from the two /metrics samples (no processes)."""
 
+from specrl.apps.launch import free_port
 from specrl.apps.scrape import yield_of
 from specrl.apps.up import _status_line
 
@@ -37,6 +38,12 @@ def test_up_ray_refuses_a_fleet_it_cannot_make_in_one_line(capsys):
         assert main(["up", "--ray", *args, "--duration", "1"]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--replicas must be >= 1" in err[0]
+    for command in ("up", "rl"):  # an address with no Ray cluster behind it, and one that is no address
+        for address, message in ((f"127.0.0.1:{free_port()}", "no Ray cluster answers there"),
+                                 ("nowhere", "give HOST:PORT")):
+            assert main([command, "--ray", address, "--minutes" if command == "rl" else "--duration", "1"]) == 1
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and message in err[0], err
 
 
 def test_the_report_draws_and_lists_each_replica_it_sampled(tmp_path):

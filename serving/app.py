@@ -6,7 +6,7 @@ metrics. Errors become OpenAI-shaped JSON in one place (`error_handlers`); with 
 The serving loop (`specrl.serving.loop.ServingLoop`: the native engine's thread or vLLM) runs the
 model; handlers only submit and await. What the routes share lives on `app.state`: `loop`,
 `settings`, `store`, `durable` (where a version this store lacks is pulled from, with Ray's object store:
-`weights.object_store`), `pulls`, `versions` (the deployment's current versions), `metrics`, `swap_lock`. With
+`weights.object_store`), `versions` (the deployment's current versions), `metrics`, `swap_lock`. With
 `follow_current`, a `Follower` keeps this replica on the deployment's current versions.
 """
 
@@ -49,7 +49,6 @@ def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> Fa
     app.state.loop, app.state.settings, app.state.store = loop, settings, store
     app.state.durable = DurableStore(settings.durable_store) if settings.durable_store else None
     app.state.metrics, app.state.swap_lock = ServerMetrics(loop), asyncio.Lock()
-    app.state.pulls = app.state.metrics.pulls
     app.state.versions = versions = DeploymentVersions(store, settings.redis_url, settings.deployment,
                                                        wait_s=settings.follow_interval_s)
     follower = Follower(app.state, versions) if settings.follow_current else None

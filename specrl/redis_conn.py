@@ -16,6 +16,11 @@ from __future__ import annotations
 import redis
 from redis.cluster import RedisCluster
 
+# What a Redis call raises when Redis is in trouble. redis-py 8.2's cluster client raises AttributeError ("'NoneType'
+# object has no attribute 'host'", recording an error metric) when a node refuses the connection; a loop that must
+# live through an outage (the sink's sender, the follower, the trainer's reader) catches both.
+REDIS_ERRORS = (redis.RedisError, AttributeError)
+
 # Options a cluster client takes from the caller; others (`retry`, say) configure the plain client only.
 _CLUSTER_OPTIONS = ("socket_timeout", "socket_connect_timeout", "decode_responses", "protocol")
 
@@ -41,3 +46,13 @@ def connect(url: str, **options) -> redis.Redis | RedisCluster:
         return client
     client.close()
     return RedisCluster.from_url(url, **{k: v for k, v in options.items() if k in _CLUSTER_OPTIONS})
+
+
+def drop_connections(client: redis.Redis | RedisCluster) -> None:
+    """Close every socket of `client` (the next command opens new ones): after a failed call, so that a reply left
+    half read on a socket is never read as the next command's. A cluster client also refreshes its slot table on
+    its next command that fails over."""
+    if isinstance(client, RedisCluster):
+        client.close()
+    else:
+        client.connection_pool.disconnect()

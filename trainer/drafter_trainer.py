@@ -35,13 +35,13 @@ import zlib
 from collections import Counter, deque
 from pathlib import Path
 
-import redis
 import torch
 
 from specrl.config import Settings
 from specrl.engine.start import DAY0, NO_DRAFTER, build_drafter, start_weights
 from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.models.drafter import EagleDrafter
+from specrl.redis_conn import REDIS_ERRORS
 from specrl.speculation.simulate import simulate_greedy
 from specrl.telemetry.event_log import EventLog
 from specrl.telemetry.reader import RecordReader
@@ -125,7 +125,7 @@ class DrafterTrainer:
                 backoff = 0.5
                 if on_step is not None:
                     on_step(self)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("event=redis_error error=%r retry_in_s=%.1f", exc, backoff)
                 time.sleep(backoff)
                 backoff, need_group = min(2 * backoff, 10.0), True

@@ -13,7 +13,9 @@ from specrl.telemetry.token_use import token_yield
 METRICS = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
            "vllm:spec_decode_num_accepted_tokens_total": "accepted", "specrl_generation_tokens_total": "tokens",
            "specrl_verify_steps_total": "steps", "specrl_decode_seconds_total": "decode_s",
-           "specrl_plain_equivalent_seconds_total": "plain_s", "specrl_telemetry_records_sent_total": "records_sent"}
+           "specrl_plain_equivalent_seconds_total": "plain_s", "specrl_telemetry_records_sent_total": "records_sent",
+           "specrl_telemetry_records_dropped_total": "records_dropped", "specrl_telemetry_records_lost_total":
+           "records_lost", "specrl_telemetry_records_queued": "records_queued"}
 BY_PROPOSER = re.compile(r'specrl_spec_decode_(num_draft_tokens|num_accepted_tokens)_total\{proposer="(\w+)"\} (\S+)')
 PROPOSERS = ("head", "suffix")
 TOKEN_USES = re.compile(r'specrl_tokens_total\{use="(\w+)"\} (\S+)')

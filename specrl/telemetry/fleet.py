@@ -20,9 +20,8 @@ import logging
 import threading
 from collections import OrderedDict
 
-import redis
 
-from specrl.redis_conn import connect
+from specrl.redis_conn import REDIS_ERRORS, connect
 from specrl.telemetry.record import SegmentRecord
 from specrl.telemetry.redis_sink import RECORD_FIELD
 
@@ -60,7 +59,7 @@ class FleetFeed:
             try:
                 reply = self._redis.xread({self.stream: self._last_id}, count=256, block=self.BLOCK_MS)
                 backoff = 0.1
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 self.errors += 1
                 if self.errors <= 3:
                     log.warning("event=fleet_feed_error stream=%s error=%r retry_in_s=%.1f", self.stream, exc, backoff)

@@ -34,11 +34,10 @@ import threading
 import time
 from collections import deque
 
-import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from specrl.redis_conn import connect, deployment_key
+from specrl.redis_conn import REDIS_ERRORS, connect, deployment_key, drop_connections
 from specrl.telemetry.record import SegmentRecord, StepRecord
 from specrl.telemetry.sink import record_tokens
 
@@ -186,7 +185,7 @@ class RedisSink:
     def _connect(self) -> bool:
         try:
             self._client.ping()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             self._failed("connect", exc)
             return False
         self.connected = True
@@ -204,7 +203,7 @@ class RedisSink:
             for entry_id in ids:
                 pipe.xrange(self.stream, entry_id, entry_id, count=1)
             lost = sum(1 for found in pipe.execute() if not found)
-        except redis.RedisError:
+        except REDIS_ERRORS:
             return  # checked at the next reconnect
         self._failed_at = None
         self._recent.clear()
@@ -234,12 +233,12 @@ class RedisSink:
             pipe.xadd(self.stream, {RECORD_FIELD: payload}, maxlen=self.maxlen, approximate=True)
         try:
             ids = pipe.execute()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             # Some XADDs of the batch may have landed: `dropped` is an upper bound here.
             self._dropped_on_send += len(payloads)
             self._dropped_tokens_on_send += sum(record_tokens(r) for r, _ in encoded)
             self._failed("send", exc, lost=len(payloads))
-            self._client.connection_pool.disconnect()
+            drop_connections(self._client)
             return
         self.sent += len(payloads)
         now = time.monotonic()

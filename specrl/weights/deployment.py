@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 import time
 
-import redis
 
-from specrl.redis_conn import connect, deployment_key
+from specrl.redis_conn import REDIS_ERRORS, connect, deployment_key
 from specrl.weights.store import ROLES, WeightsStore
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ class DeploymentVersions:
             pipe.xadd(self.stream, {"role": role, "version": version, "mode": mode}, maxlen=CONTROL_MAXLEN,
                       approximate=True)
             pipe.execute()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             self._redis_failed("set", exc)
 
     def get(self) -> dict[str, tuple[str, str]]:
@@ -67,7 +66,7 @@ class DeploymentVersions:
         if self._redis is not None:
             try:
                 announced = self._redis.hgetall(self.key)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 self._redis_failed("get", exc)
         out = {}
         for role in ROLES:
@@ -83,7 +82,7 @@ class DeploymentVersions:
         try:
             newest = self._redis.xrevrange(self.stream, count=1)
             return newest[0][0] if newest else "0-0"
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             self._redis_failed("cursor", exc)
             return "0-0"
 
@@ -94,7 +93,7 @@ class DeploymentVersions:
             try:
                 reply = self._redis.xread({self.stream: after}, count=CONTROL_MAXLEN, block=max(1, int(self.wait_s * 1000)))
                 return reply[0][1][-1][0] if reply else after
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 self._redis_failed("wait", exc)
         time.sleep(self.wait_s)
         return after

@@ -7,15 +7,12 @@ deployment's `current` is announced and awaited across the cluster."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import time
 import uuid
 
 import pytest
 import redis
 from redis.cluster import RedisCluster, key_slot
 
-from specrl.apps.launch import free_port
 from specrl.redis_conn import connect
 from specrl.telemetry import events_stream
 from specrl.telemetry.reader import DEAD_LETTER_SUFFIX, RecordReader
@@ -23,6 +20,7 @@ from specrl.telemetry.redis_sink import RedisSink
 from specrl.trainer.contexts import ContextBook
 from specrl.weights import WeightsStore
 from specrl.weights.deployment import DeploymentVersions, control_stream, current_key
+from tests.redis_cluster import start_cluster, wait_until
 from tests.telemetry.test_reader import make_record
 
 pytestmark = [pytest.mark.redis,
@@ -32,40 +30,9 @@ pytestmark = [pytest.mark.redis,
 
 @pytest.fixture(scope="module")
 def cluster_url(tmp_path_factory):
-    ports = [free_port() for _ in range(3)]
-    nodes = []
-    for port in ports:
-        data = tmp_path_factory.mktemp(f"redis-{port}")
-        nodes.append(subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", str(data / "nodes.conf"), "--cluster-node-timeout", "2000", "--save", "",
-             "--appendonly", "no", "--dir", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    try:
-        for port in ports:
-            _wait(lambda: redis.Redis(port=port).ping())
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        for port in ports:
-            _wait(lambda: redis.Redis(port=port).cluster("info")["cluster_state"] == "ok")
-        yield f"redis://127.0.0.1:{ports[0]}"
-    finally:
-        for node in nodes:
-            node.terminate()
-        for node in nodes:
-            node.wait(timeout=30)
-
-
-def _wait(ready, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if ready():
-                return
-        except redis.RedisError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("the Redis cluster did not come up")
-        time.sleep(0.1)
+    cluster = start_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster.url
+    cluster.stop()
 
 
 def test_connect_picks_the_cluster_client_and_a_deployment_keeps_to_one_slot(cluster_url):
@@ -120,3 +87,33 @@ def test_current_is_announced_and_awaited_on_the_cluster(cluster_url, tmp_path):
     assert watcher.wait(cursor) != cursor and watcher.get() == {"drafter": (version, "drain")}
     assert writer.redis_errors == watcher.redis_errors == 0
     writer.clear()
+
+
+def test_a_master_lost_without_a_replica_drops_and_counts_and_the_sink_carries_on(tmp_path):
+    """The master holding the stream dies with no replica to promote: batches fail (dropped, counted), the sender
+    thread lives on; the node restarts empty with its slots, and the sink finds it, counts the records Redis took
+    and then lost, and sends again."""
+    cluster = start_cluster(tmp_path / "redis", masters=3)
+    stream = events_stream(f"cluster-{uuid.uuid4().hex[:8]}")
+    sink = RedisSink(cluster.url, stream)
+    try:
+        for i in range(10):
+            sink.emit(make_record(i))
+        wait_until(lambda: sink.sent == 10, what="the first records")
+        master = cluster.master_of(stream)
+        cluster.kill(master)
+        for i in range(10, 20):
+            sink.emit(make_record(i))
+        wait_until(lambda: sink.dropped > 0, what="a failed send")
+        assert sink._thread.is_alive() and not sink.connected
+        cluster.restart(master)
+        wait_until(lambda: redis.Redis(port=master).cluster("info")["cluster_state"] == "ok", what="the node back")
+        for i in range(20, 30):
+            sink.emit(make_record(i))
+        wait_until(lambda: sink.queued == 0 and sink.sent + sink.dropped == 30, what="records after the restart")
+        assert sink.lost == 10  # the first ten were sent, then gone with the node's memory
+        assert sink.emitted == 30 and sink.sent > 10
+        assert connect(cluster.url).xlen(stream) == sink.sent - sink.lost
+    finally:
+        sink.close()
+        cluster.stop()

@@ -1,0 +1,107 @@
+"""A real local Redis Cluster for tests: `masters` masters, each with `replicas` replicas (`redis-server
+--cluster-enabled yes` on loopback ports, joined by `redis-cli --cluster create`), started and stopped by the test."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from redis.cluster import key_slot
+
+from specrl.apps.launch import free_port
+
+NODE_TIMEOUT_MS = 1000  # how long a master may not answer before its replica is promoted
+
+
+@dataclass
+class RedisCluster:
+    url: str
+    nodes: dict[int, subprocess.Popen] = field(default_factory=dict)  # port -> its redis-server
+    commands: dict[int, list[str]] = field(default_factory=dict)  # port -> how it was started
+
+    def master_of(self, key: str) -> int:
+        """The port of the master that serves `key`'s slot now."""
+        slot = key_slot(key.encode())
+        for port, node in self.nodes.items():
+            if node.poll() is None:
+                try:
+                    for start, end, master, *_ in redis.Redis(port=port).execute_command("CLUSTER SLOTS"):
+                        if start <= slot <= end:
+                            return int(master[1])
+                except redis.RedisError:
+                    continue
+        raise RuntimeError(f"no live node knows slot {slot}")
+
+    def replicas_caught_up(self, master: int) -> bool:
+        """Whether `master` has replicas and each has applied all of its writes (replication offsets equal)."""
+        info = redis.Redis(port=master).info("replication")
+        slaves = [info[k] for k in info if k.startswith("slave") and isinstance(info[k], dict)]
+        return bool(slaves) and all(s["offset"] == info["master_repl_offset"] for s in slaves)
+
+    def master_of_port(self, port: int) -> int:
+        """The port of `port`'s master (itself when it is one)."""
+        info = redis.Redis(port=port).info("replication")
+        return port if info["role"] == "master" else int(info["master_port"])
+
+    def caught_up_masters(self) -> list[int]:
+        return [p for p, node in self.nodes.items() if node.poll() is None and self.master_of_port(p) == p
+                and self.replicas_caught_up(p)]
+
+    def kill(self, port: int) -> None:
+        self.nodes[port].send_signal(signal.SIGKILL)
+        self.nodes[port].wait(timeout=30)
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again: it rejoins with the slots its config file names, without its data."""
+        self.nodes[port] = subprocess.Popen(self.commands[port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            if node.poll() is None:
+                node.terminate()
+        for node in self.nodes.values():
+            node.wait(timeout=30)
+
+
+def start_cluster(data: Path, masters: int = 3, replicas: int = 0) -> RedisCluster:
+    ports = [free_port() for _ in range(masters * (1 + replicas))]
+    cluster = RedisCluster(f"redis://127.0.0.1:{ports[0]}")
+    try:
+        for port in ports:
+            (data / str(port)).mkdir(parents=True)
+            cluster.commands[port] = [
+                "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                "--cluster-config-file", str(data / str(port) / "nodes.conf"), "--cluster-node-timeout",
+                str(NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no", "--dir", str(data / str(port))]
+            cluster.restart(port)
+        for port in ports:
+            wait_until(lambda: redis.Redis(port=port).ping())
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", str(replicas), "--cluster-yes"], check=True, capture_output=True,
+                       timeout=60)
+        for port in ports:
+            wait_until(lambda: redis.Redis(port=port).cluster("info")["cluster_state"] == "ok")
+        if replicas:  # every master's replicas attached and synced
+            wait_until(lambda: sorted(cluster.caught_up_masters()) == sorted(
+                {cluster.master_of_port(p) for p in ports}))
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def wait_until(ready, timeout_s: float = 30.0, what: str = "the Redis cluster to come up") -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if ready():
+                return
+        except redis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:g} s for {what}")
+        time.sleep(0.1)

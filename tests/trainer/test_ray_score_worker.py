@@ -43,6 +43,20 @@ def alive_score_actors(expected: int, wait_s: float = 15.0) -> int:
         time.sleep(0.2)
 
 
+def test_without_ray_a_worker_scores_zero_and_starts_no_ray():
+    """A lane that starts a worker when Ray is not running (its cluster ended first) must not start one: a cluster
+    started from a lane's thread dies with the thread, and takes the process's Ray connection with it."""
+    import ray
+
+    from specrl.trainer.envs.ray_worker import RayScoreWorker
+
+    ray.shutdown()  # no cluster of an earlier module
+    with ScorePool("user_envs:Echo", workers=1, timeout_s=2.0, start_worker=RayScoreWorker) as pool:
+        [score] = pool.score(Task("t", "?", "train"), ["1"])
+    assert score.reward == 0.0 and "Ray is not running" in score.error
+    assert not ray.is_initialized()
+
+
 def test_ray_scoring_workers_score_cut_hangs_and_replace_the_dead(ray_cluster):
     from specrl.trainer.envs.ray_worker import RayScoreWorker
 

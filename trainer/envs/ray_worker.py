@@ -42,13 +42,19 @@ class RayScoreWorker:
     def __init__(self, spec: str, cache_dir: Path | None, num_cpus: float = 0.5):
         import ray
 
-        remote = ray.remote(max_restarts=0, num_cpus=num_cpus)(ScoreWorkerActor)
-        self.actor, self._alive = remote.remote(spec, cache_dir), True
+        self.actor, self._alive = None, False
+        # Never start Ray here: creating an actor without it would ray.init() a new cluster from this lane's thread
+        # (after the pool's Ray ended, say), whose processes die with the thread and take the caller's Ray with them.
+        if ray.is_initialized():
+            remote = ray.remote(max_restarts=0, num_cpus=num_cpus)(ScoreWorkerActor)
+            self.actor, self._alive = remote.remote(spec, cache_dir), True
 
     def wait_ready(self) -> None:
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 
+        if self.actor is None:
+            raise StartFailed("Ray is not running")
         try:
             error = ray.get(self.actor.ready.remote(), timeout=START_TIMEOUT_S)
         except GetTimeoutError:

@@ -42,21 +42,24 @@ def test_bench_fleet_tiny(home, tmp_path, capsys, tiny_dir):
 
 def test_bench_fleet_bad_flags_get_one_line(tmp_path):
     for flags, message in ((["--rounds", "1"], "--rounds must be at least 2"),
-                           (["--replicas", "0"], "--replicas must be at least 1")):
+                           (["--replicas", "0"], "--replicas must be at least 1"),
+                           (["--minutes", "0"], "--minutes must be > 0")):
         done = subprocess.run([sys.executable, "-m", "specrl.apps.cli", "bench", "fleet", "--model", "tiny-random",
                                "--out", str(tmp_path), *flags], capture_output=True, text=True)
         assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
 
 
-def test_bench_fleet_publish_and_restart_tiny(home, tmp_path, tiny_dir):
+def test_bench_fleet_publish_restart_and_learn_tiny(home, tmp_path, tiny_dir):
     """Two published drafters reach both replicas (records on each), and a SIGKILLed replica's successor writes
-    its first record on the current drafter; only requests in flight on the killed replica may fail."""
+    its first record on the current drafter; only requests in flight on the killed replica may fail. Learning: one
+    replica, then two, each deployment's trainer trains on its records; the drafters are measured."""
     from specrl.apps.bench.fleet import run_fleet_bench
     from tests.backends import REDIS_URL
 
     settings = Settings.load(home=home, model="tiny-random", threads=1, redis_url=REDIS_URL)
     result = run_fleet_bench(settings, replicas=2, nodes=1, tenants=4, rounds=2, users=2, repeats=1,
-                             out_dir=str(tmp_path), scenarios=["publish", "restart"], publishes=2)
+                             out_dir=str(tmp_path), scenarios=["publish", "restart", "learn"], publishes=2,
+                             minutes=0.25)
     life = json.loads((tmp_path / "bench-fleet.json").read_text())["lifecycle"]
     assert result["runs"] == [] and len(life["replicas"]) == 2
     rows = life["publish"]["rows"]
@@ -66,5 +69,11 @@ def test_bench_fleet_publish_and_restart_tiny(home, tmp_path, tiny_dir):
     assert restart["replica"] not in life["replicas"] and restart["seconds_to_first_record"] > 0
     assert restart["drafter"] == "v2" and restart["serves_current"]
     assert restart["failed_requests"] <= 2 and life["failed_requests_before_restart"] == 0
+    learning = result["learning"]
+    assert [run["replicas"] for run in learning["runs"]] == [1, 2]
+    for run in learning["runs"]:
+        assert run["requests"] > 0 and run["failed_requests"] == 0 and run["trained_records"] > 0
+        assert run["mean_acceptance_length_k4"] >= 1.0
+        assert run["gain"] == run["mean_acceptance_length_k4"] - learning["day0"]["mean_acceptance_length_k4"]
     png = tmp_path / "bench-fleet.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE

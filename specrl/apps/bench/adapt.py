@@ -153,11 +153,12 @@ def _run_all(settings: Settings, minutes: float, objectives: list[str], shift: b
 
     n = max(1, round(minutes / MEASURE_EVERY_MIN))
     day0 = [Phase(MIX, minutes * 60 / n)] * n
-    runs = [RunSpec(objective, objective, day0, _heldout(MIX, settings.seed)) for objective in objectives]
+    runs = [RunSpec(objective, objective, day0, heldout_prompts(MIX, settings.seed)) for objective in objectives]
     if shift:
         half = max(1, round(minutes / 2 / MEASURE_EVERY_MIN))
         phases = [Phase({SHIFT[0]: 1}, minutes * 30 / half)] * half + [Phase({SHIFT[1]: 1}, minutes * 30 / half)] * half
-        runs.append(RunSpec(f"shift-{objectives[0]}", objectives[0], phases, _heldout({SHIFT[1]: 1}, settings.seed),
+        runs.append(RunSpec(f"shift-{objectives[0]}", objectives[0], phases,
+                            heldout_prompts({SHIFT[1]: 1}, settings.seed),
                             frozen_after=half))
     machine = {"start": machine_record()}
     redis = RedisServer(settings.redis_url)
@@ -207,7 +208,7 @@ class RunSpec:
     frozen_after: int | None = None  # shift run: the drafter serving after this phase is frozen
 
 
-def _heldout(weights: dict, seed: int) -> list:
+def heldout_prompts(weights: dict, seed: int) -> list:
     """PROMPTS held-out prompts spread over the domains of `weights` (seeded, the same every run)."""
     from specrl.data import load_prompts
 

@@ -104,13 +104,13 @@ class Meter:
         result = {"plain": {}, "drafters": {name: {"version": versions[name]} for name in engines},
                   "index": {"documents": self.index.documents, "tokens": self.index.tokens}}
         for label, (version, drafter) in drafters.items():
-            result["drafters"][label].update(self._fixed_k(version, drafter, prompts, params))
+            result["drafters"][label].update(self.fixed_k(version, drafter, prompts, params))
         self._batch1(engines, prompts, params, result)
         if batch4:
             self._batch4(engines, prompts, params, result)
         return result
 
-    def _fixed_k(self, version: str, drafter, prompts: list[list[int]], params) -> dict:
+    def fixed_k(self, version: str, drafter, prompts: list[list[int]], params) -> dict:
         """Mean acceptance length at k = FIXED_K (every prompt, batched up to max_batch)."""
         _use(self.fixed, version, drafter)
         seconds, done, stats = _run(self.fixed, prompts, params)

@@ -22,6 +22,10 @@ is SIGKILLed; Serve starts another, which takes traffic once its follower serves
 kill to the first record of a new replica, and on which drafter. Requests that failed in each scenario are
 counted (only those in flight on the killed replica may fail).
 
+learn (`--scenarios learn`, `--minutes`): one replica, then `--replicas` replicas, each deployment with a drafter
+trainer actor, under the same traffic; the drafter each then serves measured on held-out prompts
+(`specrl.apps.bench.fleet_learning`).
+
 Each replica computes with `--threads` threads (0: one). The Ray cluster: `--nodes 2` starts a head and a second
 node with CPUs for their share of the replicas on this machine
 (`ray.cluster_utils.Cluster`: separate raylets and object stores, one replica per node), `--nodes 1` one local
@@ -41,7 +45,7 @@ from specrl.config import Settings
 from specrl.errors import InvalidRequestError
 
 ROUTERS = ("prefix", "pow2")
-SCENARIOS = ("routing", "publish", "restart")
+SCENARIOS = ("routing", "publish", "restart", "learn")
 TARGET = 0.5  # TTFT p50 routed by prefix over Serve's default, at most (issue 46)
 
 
@@ -56,6 +60,7 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per router, alternating (default 1)")
     p.add_argument("--scenarios", default="routing", help=f"comma-separated: {', '.join(SCENARIOS)} (default routing)")
     p.add_argument("--publishes", type=int, default=5, help="publish: drafter versions published (default 5)")
+    p.add_argument("--minutes", type=float, default=10.0, help="learn: traffic minutes of each run (default 10)")
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-fleet-<time>)")
     add_settings(p, *COMMON, "model", "max_batch", "redis_url")
     p.set_defaults(run=run)
@@ -65,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("replicas", "nodes", "rounds", "users", "repeats"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.minutes <= 0:
+        raise InvalidRequestError(f"--minutes must be > 0, got {args.minutes:g}")
     if args.rounds < 2:
         raise InvalidRequestError("--rounds must be at least 2: the first round is not counted")
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -73,13 +80,13 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args).with_env_redis()
     tenants = args.tenants or 2 * settings.max_batch
     run_fleet_bench(settings, args.replicas, args.nodes, tenants, args.rounds, args.users, args.repeats, args.out,
-                    scenarios=scenarios, publishes=args.publishes)
+                    scenarios=scenarios, publishes=args.publishes, minutes=args.minutes)
     return 0
 
 
 def run_fleet_bench(settings: Settings, replicas: int, nodes: int, tenants: int, rounds: int, users: int,
                     repeats: int, out_dir: str | None, scenarios: list[str] = ("routing",),
-                    publishes: int = 5) -> dict:
+                    publishes: int = 5, minutes: float = 10.0) -> dict:
     """Start the Ray cluster, run the scenarios (routing: each router `repeats` times on fresh replicas), print a
     table, write bench-fleet.json and .png -> the result."""
     from specrl.apps.bench.backends import machine_record, save_report
@@ -89,8 +96,8 @@ def run_fleet_bench(settings: Settings, replicas: int, nodes: int, tenants: int,
     redis_url = settings.redis_url  # publish/restart need Redis (this one, or an embedded one); routing none
     settings = settings.replace(threads=max(1, settings.threads), redis_url="", follow_current=False)
     machine = machine_record()
-    cluster = _start_ray(nodes, replicas, settings.threads)
-    runs, prompts, lifecycle = [], None, None
+    cluster = _start_ray(nodes, replicas, settings.threads, trainer="learn" in scenarios)
+    runs, prompts, lifecycle, learning = [], None, None, None
     try:
         for repeat in range(repeats if "routing" in scenarios else 0):
             for router in ROUTERS if repeat % 2 == 0 else ROUTERS[::-1]:
@@ -108,28 +115,35 @@ def run_fleet_bench(settings: Settings, replicas: int, nodes: int, tenants: int,
 
             lifecycle = run_lifecycle(settings.replace(redis_url=redis_url), replicas, users, publishes,
                                       "restart" in scenarios)
+        if "learn" in scenarios:
+            from specrl.apps.bench.fleet_learning import run_learning
+
+            learning = run_learning(settings.replace(redis_url=redis_url), replicas, users, minutes)
     finally:
         _stop_ray(cluster)
     result = {"bench": "fleet", "machine": machine, "model": settings.model, "replicas": replicas, "nodes": nodes,
               "threads_per_replica": settings.threads, "max_batch": settings.max_batch, "tenants": tenants,
               "system_tokens": SYSTEM_TOKENS, "rounds": rounds, "users": users, "runs": runs,
-              "ttft_p50_prefix_over_pow2": _ratio(runs), "target": TARGET, "lifecycle": lifecycle}
+              "ttft_p50_prefix_over_pow2": _ratio(runs), "target": TARGET, "lifecycle": lifecycle,
+              "learning": learning}
     result["met"] = result["ttft_p50_prefix_over_pow2"] is not None and result["ttft_p50_prefix_over_pow2"] <= TARGET
     save_report(result, "bench-fleet", out_dir, settings.home, _print_table, _plot)
     return result
 
 
-def _start_ray(nodes: int, replicas: int, threads: int):
-    """-> the cluster_utils Cluster (nodes > 1) or None (one local node); either way Ray is initialized."""
+def _start_ray(nodes: int, replicas: int, threads: int, trainer: bool = False):
+    """-> the cluster_utils Cluster (nodes > 1) or None (one local node); either way Ray is initialized. CPUs for
+    the replicas' threads, and on the head for a trainer's (`trainer`)."""
     import ray
 
+    extra = threads if trainer else 0
     if nodes == 1:
-        ray.init(address="local", num_cpus=replicas * threads, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=replicas * threads + extra, include_dashboard=False, log_to_driver=False)
         return None
     from ray.cluster_utils import Cluster
 
     per_node = max(threads, -(-replicas // nodes) * threads)  # the replicas spread over the nodes
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": per_node, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": per_node + extra, "include_dashboard": False})
     for _ in range(nodes - 1):
         cluster.add_node(num_cpus=per_node)
     ray.init(address=cluster.address, log_to_driver=False)
@@ -254,6 +268,18 @@ def _print_table(result: dict) -> None:
                   if "error" not in restart else f"restart: {restart['error']}")
         print(f"requests: {life['requests']}, failed {life['failed_requests']} "
               f"({life['failed_requests_before_restart']} before the restart)")
+    learning = result.get("learning")
+    if learning:
+        print(f"learn: {learning['minutes']:g} min of traffic per run, {learning['users']} users; acceptance length "
+              f"at k = {learning['fixed_k']} on {learning['heldout_prompts']} held-out prompts, day-0 head "
+              f"{learning['day0']['mean_acceptance_length_k4']:.3f}")
+        print(f"{'replicas':>8} {'requests':>8} {'trained':>7} {'drafter':>8} {'accept len':>10} {'gain':>6}")
+        for run in learning["runs"]:
+            print(f"{run['replicas']:>8} {run['requests']:>8} {run['trained_records']:>7} {str(run['drafter']):>8} "
+                  f"{run['mean_acceptance_length_k4']:>10.3f} {run['gain']:>+6.3f}")
+        ratio = learning["gain_fleet_over_single"]
+        print(f"gain over day 0, fleet over one replica: {ratio:.2f}x" if ratio is not None else
+              "gain over day 0, fleet over one replica: the single replica's drafter did not gain")
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -264,8 +290,9 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    life = result.get("lifecycle")
-    panels = [p for p in ("routing" if result["runs"] else None, "publish" if life else None) if p]
+    life, learning = result.get("lifecycle"), result.get("learning")
+    panels = [p for p in ("routing" if result["runs"] else None, "publish" if life else None,
+                          "learn" if learning else None) if p]
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(7 * max(1, len(panels)), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         if panel == "routing":
@@ -282,6 +309,16 @@ def _plot(result: dict, path: Path) -> None:
             ax.set_ylabel("share of requests")
             ax.set_title(f"{result['replicas']} replicas on Ray Serve, {result['tenants']} tenants x "
                          f"{result['system_tokens']}-token system prompts")
+        elif panel == "learn":
+            labels = ["day 0"] + [f"{run['replicas']} replica{'s' if run['replicas'] > 1 else ''}"
+                                  for run in learning["runs"]]
+            values = [learning["day0"]["mean_acceptance_length_k4"]] + [run["mean_acceptance_length_k4"]
+                                                                        for run in learning["runs"]]
+            ax.bar(labels, values, color=["grey"] + [f"C{i}" for i in range(len(learning["runs"]))])
+            for i, value in enumerate(values):
+                ax.annotate(f"{value:.2f}", (i, value), ha="center", va="bottom")
+            ax.set_ylabel(f"acceptance length at k = {learning['fixed_k']} (held-out prompts)")
+            ax.set_title(f"the drafter each deployment serves after {learning['minutes']:g} min of the same traffic")
         else:
             rows = life["publish"]["rows"]
             for j, replica in enumerate(life["replicas"]):
@@ -292,7 +329,8 @@ def _plot(result: dict, path: Path) -> None:
             ax.set_ylabel("publish -> replica's first record on it (s)")
             ax.set_title("a publish reaching each replica")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -8,10 +8,15 @@ benchmark, the server's engine thread) calls `step()` in a loop; `submit`, `abor
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+import json
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,7 +80,7 @@ class Engine:
             log.info("suffix proposer off (suffix_capacity=0)")
         self.index_finished = True  # finished requests join the index (False: a benchmark measuring engines apart)
         speculates = drafter is not None or self.suffix is not None
-        costs = self.calibrate() if calibrate and speculates and settings.fixed_draft_tokens < 0 else CostModel()
+        costs = self.cost_prior() if calibrate and speculates and settings.fixed_draft_tokens < 0 else CostModel()
         fixed = settings.fixed_draft_tokens if settings.fixed_draft_tokens >= 0 else None
         self.controller = SpeculationController(settings.max_draft_tokens if drafter else 0, costs, fixed_k=fixed,
                                                 max_suffix=settings.suffix_max_tokens,
@@ -92,9 +97,7 @@ class Engine:
         """The model and drafter the settings name, or the store's current versions when `store` is
         given, in settings.dtype, each linear packed as the machine's calibration found fastest
         (measured once per machine, torch version and thread count; cached under <home>/calibration)."""
-        from transformers import AutoTokenizer
-
-        from specrl.assets import resolve_model
+        from specrl.assets import load_tokenizer, resolve_model
 
         model_dir = resolve_model(settings.model, settings.home, progress=progress)
         start = start_weights(settings, model_dir, store)
@@ -105,7 +108,7 @@ class Engine:
         drafter = build_drafter(start.drafter, target, settings)
         if drafter is not None:
             drafter.prepare_inference(plan)
-        return cls(target, AutoTokenizer.from_pretrained(model_dir), settings, drafter=drafter, sink=sink, plan=plan)
+        return cls(target, load_tokenizer(model_dir), settings, drafter=drafter, sink=sink, plan=plan)
 
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -372,6 +375,45 @@ class Engine:
                           self.tokenizer.decode(seq.output_ids, skip_special_tokens=True), seq.finish_reason or "",
                           seq.spec, seq.target_version, self.drafter_version, seq.version_runs)
 
+    def cost_prior(self) -> CostModel:
+        """`calibrate`'s prior, timed once per matmul calibration (machine, torch, threads, dtype), model shape,
+        drafter shape, batch and widths, then read from a file beside that calibration: a restarted replica skips
+        the timing (~2 s on two cores, more while other replicas load them). Without a calibration (plain models),
+        timed every time."""
+        path = self.cost_prior_path()
+        if path is None:
+            return self.calibrate()
+        try:
+            costs = CostModel.prior_from_dict(json.loads(path.read_text()))
+            log.info("event=cost_prior source=%s", path)
+            return costs
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not measured yet here (or unreadable): measure
+        costs = self.calibrate()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.with_name(f".{path.name}.{os.getpid()}")
+            staging.write_text(json.dumps(costs.prior_to_dict()))
+            staging.replace(path)  # whole or absent, with replicas starting side by side
+        except OSError as exc:
+            log.warning("event=cost_prior_not_saved path=%s error=%r", path, exc)
+        return costs
+
+    def cost_prior_path(self) -> Path | None:
+        """Where `cost_prior` keeps this engine's prior (None without a calibration)."""
+        if self.plan is None:
+            return None
+        drafter = self.drafter.cfg if self.drafter is not None else None
+        key = {"plan": self.plan.key, "target": dataclasses.asdict(self.target.cfg), "max_batch": self.settings.max_batch,
+               "drafter": dataclasses.asdict(drafter) if drafter is not None else None, "widest": self._widest()}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return self.plan.path.with_name(f"cost-prior-{digest}.json")
+
+    def _widest(self) -> int:
+        """The widest draft any proposer may ask for."""
+        return max(self.settings.max_draft_tokens if self.drafter is not None else 0,
+                   self.settings.suffix_max_tokens if self.suffix is not None else 0)
+
     @torch.inference_mode()
     def calibrate(self, rounds: int = 3) -> CostModel:
         """Time target forwards (B, T) for the verify widths the proposers can ask for, and drafter
@@ -383,8 +425,7 @@ class Engine:
         planner drafted more (0.57 -> 0.70 tokens a row-step) for no more tokens (1.27 -> 1.28 a
         step), so what it trades against the price (a packed verify's cost per position, the
         index's acceptance of its marginal tokens) is off by as much."""
-        widest = max(self.settings.max_draft_tokens if self.drafter is not None else 0,
-                     self.settings.suffix_max_tokens if self.suffix is not None else 0)
+        widest = self._widest()
         positions = sorted({t for t in CALIBRATED_POSITIONS if t <= widest + 1} | {widest + 1})
         costs = CostModel.measure(self.target, self.drafter, sorted({1, self.settings.max_batch}), positions, rounds)
         log.info("event=cost_prior target_ms=%s draft_ms=%s",

@@ -123,6 +123,16 @@ class CostModel:
         costs.target = _non_decreasing(costs.target)
         return costs
 
+    def prior_to_dict(self) -> dict:
+        """The measured prior (`target`, `draft`), JSON-ready; `scale` is learned live and not kept."""
+        return {"target": [[b, t, c] for (b, t), c in sorted(self.target.items())],
+                "draft": [[b, c] for b, c in sorted(self.draft.items())]}
+
+    @classmethod
+    def prior_from_dict(cls, data: dict) -> "CostModel":
+        return cls(target={(int(b), int(t)): float(c) for b, t, c in data["target"]},
+                   draft={int(b): float(c) for b, c in data["draft"]})
+
     def step_cost(self, batch: int, width: int, head_k: int | None = None) -> float:
         """A step where every row drafts `width` tokens, the head drafting head_k of them (None:
         all): `verify_cost` with N = batch * (width + 1)."""

@@ -40,3 +40,20 @@ def test_unknown_alias_names_the_known_ones(tmp_path):
 
 def test_a_model_directory_resolves_to_itself(tiny_dir, tmp_path):
     assert assets.resolve_model(str(tiny_dir), tmp_path) == tiny_dir
+
+
+@pytest.mark.parametrize("model", ["tiny_dir", "smollm_dir"])
+def test_the_tokenizer_loads_as_autotokenizer_loads_it(model, request):
+    """`load_tokenizer` skips AutoTokenizer's import, not its result: same class, ids, special tokens and chat
+    template."""
+    from transformers import AutoTokenizer
+
+    model_dir = request.getfixturevalue(model)
+    ours, auto = assets.load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, 12 × 7 = ?"}]
+    assert type(ours) is type(auto)
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == auto.apply_chat_template(
+        messages, add_generation_prompt=True)
+    assert ours.encode("def f(x):\n    return x ** 2") == auto.encode("def f(x):\n    return x ** 2")
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.bos_token_id,
+                                                                         auto.pad_token_id)

@@ -1,6 +1,7 @@
 """Engine mechanics: continuous batching, bounded queue, stops, chunked prefill, abort, records."""
 
 import asyncio
+import json
 
 import pytest
 
@@ -214,3 +215,21 @@ def test_the_cost_prior_never_prices_a_wider_forward_below_a_narrower_one(make_e
     assert widths[0] == 1 and widths[-1] == max(engine.settings.max_draft_tokens, engine.settings.suffix_max_tokens) + 1
     for (b, t), cost in target.items():
         assert all(cost >= target[(b2, t2)] for (b2, t2) in target if b2 <= b and t2 <= t)
+
+
+def test_the_cost_prior_is_timed_once_then_read_from_beside_the_calibration(make_engine):
+    """A restart reads the prior its first start timed (a restarted replica skips the timing); an unreadable file
+    is timed again and replaced; another batch size has a prior of its own."""
+    from specrl.speculation.controller import CostModel
+
+    path = make_engine(max_batch=3).cost_prior_path()
+    path.unlink()
+    timed = make_engine(max_batch=3)
+    assert path.is_file()
+    read = make_engine(max_batch=3)
+    assert (read.controller.costs.target, read.controller.costs.draft) == (timed.controller.costs.target,
+                                                                           timed.controller.costs.draft)
+    path.write_text("{half a file")
+    again = make_engine(max_batch=3)
+    assert CostModel.prior_from_dict(json.loads(path.read_text())).target == again.controller.costs.target
+    assert make_engine(max_batch=4).cost_prior_path() != path

@@ -28,7 +28,7 @@ from specrl.weights import WeightsStore
 from specrl.weights.deployment import DeploymentVersions
 from specrl.weights.object_store import publish_object
 from tests.backends import REDIS_URL, START_VERSIONS
-from tests.serving.test_ray_replicas import records, serving_replicas, tear_down
+from tests.serving.test_ray_replicas import answering_replicas, records, tear_down
 
 ROOT = Path(__file__).resolve().parents[2]
 USERS = 4
@@ -84,7 +84,7 @@ def test_a_replica_killed_during_a_drafter_swap_and_a_policy_swap_fails_only_its
     try:
         url = run_replicas(settings, replicas=2)
         client = OpenAI(base_url=url + "/v1", api_key="unused")
-        known = serving_replicas(client, deployment, START_VERSIONS["drafter"])
+        known = answering_replicas(client, deployment, 2)
         assert len(known) == 2
         locust = subprocess.Popen(
             [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "-u",

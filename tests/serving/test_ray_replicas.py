@@ -23,7 +23,7 @@ from specrl.models.llama import load_llama
 from specrl.telemetry import RECORD_FIELD, SegmentRecord, events_stream
 from specrl.weights import WeightsStore
 from specrl.weights.deployment import DeploymentVersions, control_stream, current_key
-from tests.backends import REDIS_URL, publish_start_version
+from tests.backends import REDIS_URL
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the [ray] extra is not installed")]
@@ -43,38 +43,13 @@ def records(deployment: str) -> list[SegmentRecord]:
     return [SegmentRecord.from_msgpack(fields[RECORD_FIELD.encode()]) for _, fields in entries]
 
 
-def test_two_replicas_behind_serves_proxy_answer_write_records_and_follow_current(ray_cluster, home, tmp_path,
-                                                                                  tiny_dir):
-    from openai import OpenAI
-
-    from specrl.serving.ray_replicas import run_replicas
-
-    deployment, store = f"test-ray-{uuid.uuid4().hex[:10]}", WeightsStore(tmp_path / "store")
-    publish_start_version(store.root, tiny_dir, "drafter")
-    settings = Settings.load(home=home, model="tiny-random", redis_url=REDIS_URL, deployment=deployment,
-                             store=str(store.root), port=free_port(), threads=1, follow_interval_s=0.5)
-    try:
-        url = run_replicas(settings, replicas=2)
-        client = OpenAI(base_url=url + "/v1", api_key="unused")
-        for i in range(12):
-            reply = client.completions.create(model="tiny-random", prompt=f"Hello number {i}", max_tokens=4)
-            assert reply.choices[0].text is not None
-        deadline = time.monotonic() + 30
-        while len({r.replica for r in records(deployment)}) < 2 and time.monotonic() < deadline:
-            client.completions.create(model="tiny-random", prompt="Once more", max_tokens=4)
-            time.sleep(0.2)  # records leave in batches
-        replicas = {r.replica for r in records(deployment)}
-        assert len(replicas) == 2 and all(name.startswith("ray-") for name in replicas)
-        sample = sample_metrics(url, 0.0)  # one /metrics page names the replica that answered it
-        assert sample["replica"] in replicas and sample["drafter"] == "day0" and sample["tokens"] > 0
-
-        out = tmp_path / "drafter-v1"
-        EagleDrafter.day0(load_llama(tiny_dir), seed=11).save(out)
-        v1 = store.publish("drafter", out).version
-        DeploymentVersions(store, REDIS_URL, deployment).set("drafter", v1)  # a trainer that knows no replica
-        assert serving_replicas(client, deployment, v1) == replicas
-    finally:
-        tear_down(deployment)
+def answering_replicas(client, deployment: str, count: int, wait_s: float = 60.0) -> set[str]:
+    """Send requests until `count` replicas wrote records (or `wait_s`) -> the replicas that did."""
+    deadline = time.monotonic() + wait_s
+    while len(replicas := {r.replica for r in records(deployment)}) < count and time.monotonic() < deadline:
+        client.completions.create(model="tiny-random", prompt=f"Hello {uuid.uuid4().hex}", max_tokens=4)
+        time.sleep(0.1)  # records leave in batches
+    return replicas
 
 
 def serving_replicas(client, deployment: str, drafter: str, wait_s: float = 60.0) -> set[str]:
@@ -108,11 +83,12 @@ def pull_counts(url: str, replicas: set[str], pages: int = 40) -> dict[str, dict
     return seen
 
 
-def test_without_a_shared_disk_replicas_pull_from_the_object_store_then_the_durable_store(ray_cluster, home,
-                                                                                          tmp_path, tiny_dir):
-    """The trainer's store is only the durable copy: each replica keeps its own store, takes a version shared into
-    the object store from there, and one whose object was lost (the registry that owned it killed) from the durable
-    store; both verified."""
+def test_two_replicas_answer_write_records_and_pull_current_from_the_object_store_then_the_durable_store(
+        ray_cluster, home, tmp_path, tiny_dir):
+    """Behind Serve's proxy both replicas answer and write records under their own names; a drafter announced as the
+    deployment's `current` (no replica pushed) reaches both. The trainer's store is only the durable copy: each
+    replica keeps its own store, takes a version shared into the object store from there, and one whose object was
+    lost (the registry that owned it killed) from the durable store; both verified."""
     from openai import OpenAI
 
     from specrl.serving.ray_replicas import run_replicas
@@ -125,9 +101,12 @@ def test_without_a_shared_disk_replicas_pull_from_the_object_store_then_the_dura
     try:
         url = run_replicas(settings, replicas=2)
         client = OpenAI(base_url=url + "/v1", api_key="unused")
-        assert len(serving_replicas(client, deployment, "day0")) == 2
-        replicas = {r.replica for r in records(deployment)}
-        versions = DeploymentVersions(store, REDIS_URL, deployment)
+        replicas = answering_replicas(client, deployment, 2)
+        assert len(replicas) == 2 and all(name.startswith("ray-") for name in replicas)
+        assert {r.drafter_version for r in records(deployment)} == {"day0"}
+        sample = sample_metrics(url, 0.0)  # one /metrics page names the replica that answered it
+        assert sample["replica"] in replicas and sample["drafter"] == "day0" and sample["tokens"] > 0
+        versions = DeploymentVersions(store, REDIS_URL, deployment)  # a trainer that knows no replica
         drafter = load_llama(tiny_dir)
         for seed in (11, 12):
             out = tmp_path / f"drafter-{seed}"

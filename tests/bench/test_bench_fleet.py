@@ -10,6 +10,7 @@ import sys
 import matplotlib.image
 import pytest
 
+from specrl.apps.launch import free_port
 from specrl.config import Settings
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.slow,
 def test_bench_fleet_tiny(home, tmp_path, capsys, tiny_dir):
     from specrl.apps.bench.fleet import run_fleet_bench
 
-    settings = Settings.load(home=home, model="tiny-random", threads=1, drafter="none")
+    settings = Settings.load(home=home, model="tiny-random", threads=1, drafter="none", port=free_port())
     result = run_fleet_bench(settings, replicas=2, nodes=1, tenants=4, rounds=2, users=2, repeats=1,
                              out_dir=str(tmp_path))
 
@@ -56,7 +57,7 @@ def test_bench_fleet_publish_restart_and_learn_tiny(home, tmp_path, tiny_dir):
     from specrl.apps.bench.fleet import run_fleet_bench
     from tests.backends import REDIS_URL
 
-    settings = Settings.load(home=home, model="tiny-random", threads=1, redis_url=REDIS_URL)
+    settings = Settings.load(home=home, model="tiny-random", threads=1, redis_url=REDIS_URL, port=free_port())
     result = run_fleet_bench(settings, replicas=2, nodes=1, tenants=4, rounds=2, users=2, repeats=1,
                              out_dir=str(tmp_path), scenarios=["publish", "restart", "learn"], publishes=2,
                              minutes=0.25)

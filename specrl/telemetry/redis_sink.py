@@ -16,7 +16,8 @@ dropped and counted, never retried, so memory stays bounded by `queue_size` + `b
 Accounting: `emitted == sent + dropped + queued + (records in the batch being sent)`.
 
 Redis restarts: the sender keeps the ids of the records it sent in the last LOSS_WINDOW_S. When
-it reconnects after a failure it looks those ids up; the ones Redis no longer has were handed to
+it reconnects after a failure it looks those ids up (again before each send until the lookup answers: a
+cluster node may take traffic before the stream's node is back); the ones Redis no longer has were handed to
 Redis and lost with it (`lost`: a Redis without persistence loses everything, one with an
 append-only file fsynced every second at most the last second or so). A lost record a trainer
 had already read was trained on all the same: `lost` is an upper bound on the records no trainer saw.
@@ -170,6 +171,8 @@ class RedisSink:
                 backoff = min(2 * backoff, self.BACKOFF_MAX_S)
                 continue
             backoff = self.BACKOFF_MIN_S
+            if self._failed_at is not None:
+                self._count_lost()  # its check at the reconnect failed (a cluster whose node for the stream is not back)
             records = self._take()
             if records:
                 self._send(records)
@@ -204,7 +207,7 @@ class RedisSink:
                 pipe.xrange(self.stream, entry_id, entry_id, count=1)
             lost = sum(1 for found in pipe.execute() if not found)
         except REDIS_ERRORS:
-            return  # checked at the next reconnect
+            return  # checked again before the next send
         self._failed_at = None
         self._recent.clear()
         if lost:

@@ -21,8 +21,11 @@ from redis.cluster import RedisCluster
 # live through an outage (the sink's sender, the follower, the trainer's reader) catches both.
 REDIS_ERRORS = (redis.RedisError, AttributeError)
 
-# Options a cluster client takes from the caller; others (`retry`, say) configure the plain client only.
-_CLUSTER_OPTIONS = ("socket_timeout", "socket_connect_timeout", "decode_responses", "protocol")
+# Options a cluster client takes from the caller; others configure the plain client only. `retry` matters most: the
+# cluster client's own (3 attempts, refreshing the slot table between them) hides a failover from its caller, and a
+# caller that must notice one (the sink, which then checks which of its records the old master took with it) passes
+# `Retry(NoBackoff(), 0)`.
+_CLUSTER_OPTIONS = ("socket_timeout", "socket_connect_timeout", "decode_responses", "protocol", "retry")
 
 
 def deployment_key(deployment: str, name: str) -> str:

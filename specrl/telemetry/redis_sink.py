@@ -114,7 +114,8 @@ class RedisSink:
         self._failed_at: float | None = None  # when the connection was lost (None: never lost since the check)
         self._lock = threading.Lock()
         self._queue: queue.Queue[SegmentRecord] = queue.Queue(maxsize=queue_size)
-        # Built here so a malformed URL fails at construction; it connects lazily.
+        # Built here so a malformed URL fails at construction; it connects lazily. No retries, on a cluster either: a
+        # batch retried on a promoted replica would hide the failover, and with it the records the old master took.
         self._client = connect(url, socket_timeout=self.SOCKET_TIMEOUT_S,
                                socket_connect_timeout=self.SOCKET_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
         self._closing = threading.Event()

@@ -114,7 +114,8 @@ def start_cluster(data: Path, masters: int = 3, replicas: int = 0) -> RedisClust
                 str(NODE_TIMEOUT_MS),
                 # A replica elects itself however long ago it last heard from its master: Redis 7.0 may take a link
                 # that never dropped as down since the epoch and refuse ("disconnected for longer than allowed").
-                "--cluster-replica-validity-factor", "0", "--save", "", "--appendonly", "no", "--dir", str(data / str(port))]
+                "--cluster-replica-validity-factor", "0",
+                "--save", "", "--appendonly", "no", "--dir", str(data / str(port))]
             cluster.restart(port)
         for port in ports:
             wait_until(lambda: redis.Redis(port=port).ping())

@@ -3,8 +3,11 @@
 `specrl rl` evaluates every few steps on a small held-out slice (it must stay short, the loop
 waits for it); whether the policy really improved needs every held-out task and a paired
 comparison. This takes the versions from a weights store ("base": the model itself), answers the
-same held-out tasks with each (the native engine, batched, no drafter: its output does not depend
-on one), scores them in the environment's scoring pool, and reports per version:
+same held-out tasks with each through a live `specrl serve` of that version (speculation on: the
+day-0 drafter and the suffix index, adaptive k; greedy output is the same as without, sampled output
+follows the same distribution), EVAL_CONCURRENCY requests at a time (the server batches them); every
+answer must say it came from that version. It scores them in the environment's scoring pool and
+reports per version:
 
   reward         greedy answers (temperature 0): the mean reward over the tasks
   pass@1 greedy  the fraction of tasks the greedy answer solves (reward 1.0: every test passed;
@@ -16,25 +19,40 @@ on one), scores them in the environment's scoring pool, and reports per version:
 each with a 95% CI by the normal approximation over tasks (mean +- 1.96 s / sqrt(N)), and for each
 version against the first the paired difference (the same tasks, per-task differences) with its
 95% CI: a rise is measured when that interval lies above 0. The tasks are distinct (`take_tasks`):
---tasks is capped by what the split holds (HumanEval: its 40 held-out problems).
+--tasks is capped by what the split holds (HumanEval: its 40 held-out problems; IFEval: its 541).
+
+An environment with a `summarize(tasks, scores)` method adds its own metrics and paired tests
+(IFEval: prompt- and instruction-level accuracy, strict and loose, McNemar and a paired bootstrap);
+the report keeps them under "env_metrics". The served speed (tokens per verify step, tokens/s) is
+reported per version too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import secrets
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
+from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
 from specrl.apps.rl import add_env_flags, with_deployment_store
 from specrl.config import Settings
-from specrl.errors import InvalidRequestError
+from specrl.errors import InvalidRequestError, SpecrlError
+from specrl.speculation.quantities import SpecCounts
 from specrl.trainer.envs import ScorePool, env_max_tokens, env_timeout_s, make_env, take_tasks
-from specrl.trainer.rollout import mean_and_ci, pass_at_k, task_messages
+from specrl.trainer.rollout import RolloutClient, mean_and_ci, pass_at_k, task_messages
+from specrl.weights import WeightsStore
 
 CI_METHOD = "normal approximation over tasks: mean +- 1.96 * sd / sqrt(tasks); paired: the same on per-task differences"
+EVAL_CONCURRENCY = 8   # requests in flight: the server batches them (its --max-batch caps what runs at once)
 
 
 def register(sub) -> None:
@@ -63,11 +81,6 @@ def run(args: argparse.Namespace) -> int:
 def evaluate_policies(settings: Settings, env_name: str, versions: list[str], tasks: int, max_tokens: int | None = None,
                       out: Path | None = None, *, samples: int = 0, k: int = 10, temperature: float = 0.8,
                       score_workers: int = 4, score_timeout_s: float | None = None) -> dict:
-    from transformers import AutoTokenizer
-
-    from specrl.assets import resolve_model
-    from specrl.weights import WeightsStore
-
     if not versions or tasks < 2 or (max_tokens is not None and max_tokens < 1):
         raise InvalidRequestError("--versions must name at least one version, --tasks must be >= 2 and "
                                   "--max-tokens >= 1")
@@ -77,28 +90,32 @@ def evaluate_policies(settings: Settings, env_name: str, versions: list[str], ta
     cache_dir = settings.home / "cache"
     env = make_env(env_name, cache_dir=cache_dir)
     max_tokens = max_tokens or env_max_tokens(env)
-    model_dir = resolve_model(settings.model, settings.home)
     store = WeightsStore(settings.store_path)
-    directories = {v: model_dir if v == "base" else store.verify("policy", v) for v in versions}  # fail before any work
+    for version in versions:      # fail before any work
+        if version != "base":
+            store.verify("policy", version)
     heldout = take_tasks(env, env_name, "heldout", settings.seed, tasks)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tokenizer.apply_chat_template(task_messages(t), add_generation_prompt=True, tokenize=True,
-                                             return_dict=False) for t in heldout]
     per_task: dict[str, dict[str, list[float]]] = {}
-    with ScorePool(env_name, workers=score_workers, timeout_s=score_timeout_s or env_timeout_s(env),
-                   cache_dir=cache_dir) as pool:
-        for version, directory in directories.items():
+    greedy: dict[str, list] = {}
+    served: dict[str, dict] = {}
+    timeout_s = score_timeout_s or env_timeout_s(env)
+    with tempfile.TemporaryDirectory(prefix="specrl-eval-policy-") as work_dir, \
+            ScorePool(env_name, workers=score_workers, timeout_s=timeout_s, cache_dir=cache_dir) as pool:
+        for version in versions:
             started = time.monotonic()
-            per_task[version] = _answer(settings, directory, tokenizer, pool, heldout, prompts, max_tokens=max_tokens,
-                                        samples=samples, k=k, temperature=temperature)
+            with served_policy(settings, store, version, Path(work_dir)) as url:
+                client = RolloutClient(url, settings.model, n=1, max_tokens=max_tokens)
+                per_task[version], greedy[version], served[version] = _answer(
+                    client, version, pool, heldout, samples=samples, k=k, temperature=temperature, seed=settings.seed)
             mean, ci = mean_and_ci(per_task[version]["reward"])
             print(f"eval-policy: {version}: reward {mean:.3f} +- {ci:.3f} on {len(heldout)} held-out {env_name} tasks "
-                  f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+                  f"({time.monotonic() - started:.0f} s, {served[version]['tokens_per_s']:.1f} tok/s served, "
+                  f"{served[version]['tokens_per_step']:.2f} tokens per verify step)", file=sys.stderr, flush=True)
     metrics = ["reward", "pass@1_greedy"] + ([f"pass@{k}"] if samples else [])
     result = {"env": env_name, "model": settings.model, "store": str(store.root), "tasks": len(heldout),
               "task_ids": [t.id for t in heldout], "max_tokens": max_tokens, "seed": settings.seed,
               "samples": samples, "k": k if samples else None, "temperature": temperature if samples else None,
-              "ci_method": CI_METHOD, "versions": {}}
+              "ci_method": CI_METHOD, "served": served, "versions": {}}
     first = versions[0]
     for version in versions:
         entry = result["versions"][version] = {}
@@ -113,7 +130,11 @@ def evaluate_policies(settings: Settings, env_name: str, versions: list[str], ta
                 entry[metric] = summary
         if samples:
             entry["correct"] = per_task[version]["correct"]
-    for line in table_lines(result, metrics):
+    lines = table_lines(result, metrics)
+    if callable(getattr(env, "summarize", None)):
+        result["env_metrics"], env_lines = env.summarize(heldout, greedy)
+        lines += ["", *env_lines]
+    for line in lines:
         print(line)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -122,31 +143,80 @@ def evaluate_policies(settings: Settings, env_name: str, versions: list[str], ta
     return result
 
 
-def _answer(settings: Settings, directory: Path, tokenizer, pool: ScorePool, heldout: list, prompts: list, *,
-            max_tokens: int, samples: int, k: int, temperature: float) -> dict[str, list[float]]:
-    """One version's per-task values: reward and pass@1 greedy, and with samples the correct counts and pass@k."""
-    from specrl.engine.engine import Engine
-    from specrl.models.llama import load_llama
-    from specrl.speculation.sampling import SamplingParams
+@contextlib.contextmanager
+def served_policy(settings: Settings, store: WeightsStore, version: str, work_dir: Path) -> Iterator[str]:
+    """A `specrl serve` of policy `version` ("base": the model) on a free loopback port, stopped on exit -> its URL.
 
-    engine = Engine(load_llama(directory), tokenizer, settings.replace(drafter="none"))
-    greedy = pool.score_each(heldout, _generate(engine, prompts, [SamplingParams(max_tokens=max_tokens,
-                                                                                 temperature=0.0)] * len(prompts),
-                                                "greedy"))
+    It gets a store of its own in which `version` (linked to the deployment's copy) is `current`, so it starts on
+    it; no drafter is current there, so it drafts with the day-0 head and the suffix index. Its records stay in
+    memory (no Redis): an evaluation is not traffic to learn from.
+    """
+    own = WeightsStore(work_dir / f"store-{version}")
+    if version != "base":
+        (own.root / "policy").mkdir(parents=True, exist_ok=True)
+        link = own.root / "policy" / version
+        if not link.exists():
+            link.symlink_to(store.verify("policy", version).resolve(), target_is_directory=True)
+        own.set_current("policy", version)
+    port, log = free_port(), work_dir / f"serve-{version}.log"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(SPECRL_HOME=str(settings.home), SPECRL_ADMIN_TOKEN=secrets.token_hex(16))
+    proc = spawn(["serve", "--model", settings.model, "--store", str(own.root), "--port", str(port), "--host",
+                  "127.0.0.1", "--deployment", f"eval-{secrets.token_hex(4)}", "--threads", str(settings.threads)],
+                 env, log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        terminate(proc)
+
+
+def _answer(client: RolloutClient, version: str, pool: ScorePool, heldout: list, *, samples: int, k: int,
+            temperature: float, seed: int) -> tuple[dict[str, list[float]], list, dict]:
+    """One version's answers, scored -> (per-task values: reward and pass@1 greedy, and with samples the correct
+    counts and pass@k; the greedy Scores; the served speed)."""
+    counts, started = SpecCounts(), time.monotonic()
+    texts = ask(client, version, heldout, [{"n": 1, "temperature": 0.0}] * len(heldout), counts, "greedy")
+    greedy = pool.score_each(heldout, [t[0] for t in texts])
     values = {"reward": [s.reward for s in greedy], "pass@1_greedy": [float(s.reward >= 1.0) for s in greedy]}
     if samples:
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=settings.seed + i * samples + j)
-                  for i in range(len(prompts)) for j in range(samples)]
-        texts = _generate(engine, [p for p in prompts for _ in range(samples)], params, f"{samples} samples/task")
-        scores = pool.score_each([t for t in heldout for _ in range(samples)], texts)
+        options = [{"n": samples, "temperature": temperature, "seed": seed + i} for i in range(len(heldout))]
+        sampled = ask(client, version, heldout, options, counts, f"{samples} samples/task")
+        scores = pool.score_each([t for t in heldout for _ in range(samples)], [x for group in sampled for x in group])
         values["correct"] = [sum(s.reward >= 1.0 for s in scores[i * samples:(i + 1) * samples])
-                             for i in range(len(prompts))]
+                             for i in range(len(heldout))]
         values[f"pass@{k}"] = [pass_at_k(samples, c, k) for c in values["correct"]]
-    return values
+    seconds = time.monotonic() - started
+    served = {"completion_tokens": client.tokens, "seconds": round(seconds, 1),
+              "tokens_per_s": client.tokens / seconds if seconds else 0.0,
+              "tokens_per_step": counts.tokens_per_step or 1.0, "spec_decode": counts.to_dict()}
+    return values, greedy, served
 
 
-def _generate(engine, prompts: list, params: list, what: str) -> list[str]:
-    return [c.text for c in complete(engine, prompts, params, f"eval-policy {what}")]
+def ask(client: RolloutClient, version: str, tasks: list, options: list[dict], counts: SpecCounts,
+        what: str) -> list[list[str]]:
+    """Each task's answers (`options[i]`: n, temperature, seed), EVAL_CONCURRENCY at a time, with a progress bar;
+    the server's speculation counters are added to `counts`. Raises SpecrlError for an answer from another policy."""
+    from tqdm import tqdm
+
+    def one(i: int) -> dict:
+        return client.complete(task_messages(tasks[i]), **options[i])
+
+    answers = []
+    with ThreadPoolExecutor(EVAL_CONCURRENCY) as pool, \
+            tqdm(total=len(tasks), desc=f"eval-policy {version} {what}", unit="task", file=sys.stderr,
+                 leave=False) as bar:
+        for data in pool.map(one, range(len(tasks))):
+            if data["specrl"]["target_version"] != version:
+                raise SpecrlError(f"eval-policy: the server answered with policy {data['specrl']['target_version']}, "
+                                  f"not {version}")
+            spec = data["specrl"]["spec_decode"]
+            counts.add(SpecCounts(spec["num_steps"], spec["num_drafts"], spec["num_draft_tokens"],
+                                  spec["num_accepted_tokens"], spec["num_accepted_tokens_per_pos"]))
+            answers.append([choice["message"]["content"] for choice in data["choices"]])
+            bar.update(1)
+    return answers
 
 
 def complete(engine, prompts: list, params: list, what: str) -> list:

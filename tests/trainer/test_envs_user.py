@@ -49,7 +49,7 @@ def test_the_documented_example_environment_runs(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("chess", "unknown environment 'chess': use one of arithmetic, code, format, humaneval, or package.module:"),
+    ("chess", "unknown environment 'chess': use one of arithmetic, code, format, humaneval, ifeval, or package.module:"),
     ("no_such_module_here:Env", "cannot import module 'no_such_module_here'"),
     ("user_envs:Missing", "module user_envs has no class 'Missing'"),
     ("user_envs:NoScore", "NoScore has no method score(task, completion)"),

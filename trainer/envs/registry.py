@@ -23,9 +23,10 @@ from specrl.trainer.envs.base import DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT_S, Envi
 from specrl.trainer.envs.code import CodeEnv
 from specrl.trainer.envs.format import FormatEnv
 from specrl.trainer.envs.humaneval import HumanEvalEnv
+from specrl.trainer.envs.ifeval import IFEvalEnv
 
 ENVIRONMENTS: dict[str, type] = {"arithmetic": ArithmeticEnv, "code": CodeEnv, "format": FormatEnv,
-                                 "humaneval": HumanEvalEnv}
+                                 "humaneval": HumanEvalEnv, "ifeval": IFEvalEnv}
 ENV_HELP = f"{', '.join(ENVIRONMENTS)}, or package.module:ClassName (a class implementing " \
            "specrl.trainer.envs.base.Environment)"
 _INTERFACE = {"tasks": ("split", "seed"), "score": ("task", "completion")}

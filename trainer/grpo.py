@@ -75,7 +75,8 @@ class StepStats:
     mean_reward: float
     trained: int
     stale: int
-    flat_groups: int
+    flat_groups: int                   # groups whose rewards were all equal: no advantage, not trained on
+    groups: int = 0                    # groups within the staleness bound
     versions: dict = field(default_factory=dict)
 
 
@@ -116,7 +117,7 @@ class GRPOTrainer:
             advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
             batch += list(zip(members, advantages.tolist()))
         stats = StepStats(float("nan"), _mean([r.reward for r in rollouts]), len(batch), len(rollouts) - len(fresh),
-                          flat)
+                          flat, len(groups))
         if not batch:
             return stats
         self.policy.train()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -130,6 +131,8 @@ def evaluate_policies(settings: Settings, env_name: str, versions: list[str], ta
                 entry[metric] = summary
         if samples:
             entry["correct"] = per_task[version]["correct"]
+        entry["answers"] = [s.details.get("answer") for s in greedy[version]]   # greedy, in task order
+        entry["errors"] = [s.error for s in greedy[version]]
     lines = table_lines(result, metrics)
     if callable(getattr(env, "summarize", None)):
         result["env_metrics"], env_lines = env.summarize(heldout, greedy)
@@ -178,7 +181,8 @@ def _answer(client: RolloutClient, version: str, pool: ScorePool, heldout: list,
     counts and pass@k; the greedy Scores; the served speed)."""
     counts, started = SpecCounts(), time.monotonic()
     texts = ask(client, version, heldout, [{"n": 1, "temperature": 0.0}] * len(heldout), counts, "greedy")
-    greedy = pool.score_each(heldout, [t[0] for t in texts])
+    greedy = [dataclasses.replace(score, details={**score.details, "answer": text[0]})
+              for score, text in zip(pool.score_each(heldout, [t[0] for t in texts]), texts)]
     values = {"reward": [s.reward for s in greedy], "pass@1_greedy": [float(s.reward >= 1.0) for s in greedy]}
     if samples:
         options = [{"n": samples, "temperature": temperature, "seed": seed + i} for i in range(len(heldout))]

@@ -84,6 +84,9 @@ def register(sub) -> None:
     p.add_argument("--publish-every", type=int, default=2, help="GRPO steps per published policy")
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-tasks", type=int, default=24)
+    p.add_argument("--final-eval-tasks", type=int, default=256,
+                   help="at the end, base and the last published policy on this many held-out tasks, paired "
+                        "(`specrl eval-policy`; 0: skip)")
     p.add_argument("--policy-lr", type=float, default=2e-6)
     p.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
     p.add_argument("--out", default=None, help="run directory (default <home>/runs/rl-<env>-<time>)")
@@ -113,14 +116,15 @@ def run(args: argparse.Namespace) -> int:
     fleet = Fleet.check(args.ray, args.replicas, 0, trainers=2) if args.ray else None  # drafter trainer + GRPO
     run_rl(settings_from(args).with_env_redis(), env_name=args.env, minutes=args.minutes, group_size=args.group_size,
            tasks_per_step=args.tasks_per_step, publish_every=args.publish_every, eval_every=args.eval_every,
-           eval_tasks=args.eval_tasks, max_tokens=args.max_tokens,
+           eval_tasks=args.eval_tasks, final_eval_tasks=args.final_eval_tasks, max_tokens=args.max_tokens,
            config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag), out_dir=args.out,
            score_workers=args.score_workers, score_timeout_s=args.score_timeout, fleet=fleet)
     return 0
 
 
 def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int = 4, tasks_per_step: int = 4,
-           publish_every: int = 2, eval_every: int = 4, eval_tasks: int = 24, max_tokens: int | None = None,
+           publish_every: int = 2, eval_every: int = 4, eval_tasks: int = 24, final_eval_tasks: int = 0,
+           max_tokens: int | None = None,
            config: GRPOConfig | None = None, out_dir: str | None = None, window_tokens: int = 256,
            sample_every_s: float = 1.0, speed_tasks: int = 8, speed_rounds: int = 5, score_workers: int = 4,
            score_timeout_s: float | None = None, fleet: Fleet | None = None) -> dict:
@@ -227,11 +231,36 @@ def run_rl(settings: Settings, *, env_name: str, minutes: float, group_size: int
             fleet.stop()  # the replicas, the trainer, and with Ray the actors
         redis_server.stop()
         torch.set_num_threads(caller_threads)
+    report["final_eval"] = _final_evaluation(settings, env_name, trainer.version, final_eval_tasks, max_tokens,
+                                             run_dir, score_workers, score_timeout_s)
     report["drafter_evaluations"] = drafter_evaluations(run_dir / "drafter-events.jsonl", started_wall)
     report["recovery"] = recovery_summary(acceptance_recovery(report["samples"], window_tokens=window_tokens),
                                           window_tokens=window_tokens)
     write_report(run_dir, report)
     return report
+
+
+def _final_evaluation(settings: Settings, env_name: str, version: str, tasks: int, max_tokens: int, run_dir: Path,
+                      score_workers: int, score_timeout_s: float | None) -> dict | None:
+    """Base and the last published policy on `tasks` held-out tasks, paired, each through a server of its own
+    (`eval-policy`), once the loop's processes are gone -> the paired numbers (None when skipped)."""
+    if tasks <= 0 or version == "base":
+        return None if tasks <= 0 else {"skipped": "no policy was published"}
+    from specrl.apps.eval_policy import evaluate_policies   # eval_policy imports this module's flags
+
+    print(f"specrl rl: final evaluation: base and {version} on {tasks} held-out tasks", file=sys.stderr, flush=True)
+    result = evaluate_policies(settings, env_name, ["base", version], tasks, max_tokens, run_dir / "final-eval.json",
+                               score_workers=score_workers, score_timeout_s=score_timeout_s)
+    trained = result["versions"][version]
+    summary = {"policy": version, "tasks": result["tasks"], "report": str(run_dir / "final-eval.json"),
+               "reward": {"base": result["versions"]["base"]["reward"], "trained": trained["reward"],
+                          "diff": trained["vs_first"], "ci95": trained["vs_first_ci95"]}}
+    for metric, entry in (result.get("env_metrics") or {}).get(version, {}).items():
+        if isinstance(entry, dict) and "vs_first" in entry:
+            paired = entry["vs_first"]
+            summary[metric] = {"base": paired["first"], "trained": paired["second"], "diff": paired["diff"],
+                               "ci95": paired["ci95"], "p_value": paired["p_value"]}
+    return summary
 
 
 def _start_children(children: list, settings: Settings, common: list[str], env_vars: dict, url: str,

@@ -142,7 +142,36 @@ def summary_lines(report: dict) -> list[str]:
                 "of request time)" for name, arm in (("with", on), ("without", off))))
     elif "error" in speed:
         lines.append(f"rollout tokens/s with and without speculation: not measured ({speed['error']})")
-    return lines + pipeline_lines(report.get("pipeline"))
+    return lines + grpo_lines(report.get("steps") or []) + pipeline_lines(report.get("pipeline")) \
+        + final_eval_lines(report.get("final_eval"))
+
+
+def grpo_lines(steps: list[dict]) -> list[str]:
+    """Reward per GRPO step and the share of flat groups (all rewards equal: no signal)."""
+    if not steps:
+        return []
+    rewards = " ".join(f"{s['mean_reward']:.2f}" for s in steps[-40:])
+    flat, groups = sum(s["flat_groups"] for s in steps), sum(s.get("groups", 0) for s in steps)
+    lines = [f"GRPO: {len(steps)} steps, mean rollout reward per step{' (last 40)' if len(steps) > 40 else ''}: "
+             f"{rewards}"]
+    lines.append(f"  flat groups {flat} of {groups} ({flat / groups:.0%})" if groups else f"  flat groups {flat}")
+    return lines
+
+
+def final_eval_lines(final: dict | None) -> list[str]:
+    """Base vs the last published policy on held-out tasks: each paired difference with its 95% CI."""
+    if not final:
+        return []
+    if "skipped" in final:
+        return [f"final evaluation skipped: {final['skipped']}"]
+    lines = [f"final evaluation, {final['tasks']} held-out tasks, base -> {final['policy']} ({final['report']}):"]
+    for name, entry in final.items():
+        if isinstance(entry, dict) and "diff" in entry:
+            ci = entry["ci95"]
+            interval = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if isinstance(ci, list) else f"+- {ci:.3f}"
+            lines.append(f"  {name:<20} {entry['base']:.3f} -> {entry['trained']:.3f}  {entry['diff']:+.3f} "
+                         f"{interval}" + (f"  p={entry['p_value']:.2g}" if "p_value" in entry else ""))
+    return lines
 
 
 def pipeline_lines(pipeline: dict | None) -> list[str]:

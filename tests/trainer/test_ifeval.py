@@ -4,17 +4,21 @@ needs NLTK's punkt data, bad input scoring 0 with a reason, scoring in worker pr
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
 from specrl.apps.cli import main
+from specrl.data.prompts import load_prompts
 from specrl.trainer.envs import ScorePool, Task, make_env, take_tasks
-from specrl.trainer.envs.base import Score
-from specrl.trainer.envs.ifeval import IFEvalEnv
-from specrl.trainer.envs.ifeval_checks import instruction_ids, load_rows
+from specrl.trainer.envs.base import Score, task_id
+from specrl.trainer.envs.ifeval import TRAIN_WEIGHTS, IFEvalEnv
+from specrl.trainer.envs.ifeval_checks import conflicts, describe, instruction_ids, load_rows
 
 
 def task_of(key: int) -> Task:
@@ -31,8 +35,46 @@ def test_the_official_data_541_prompts_834_instructions_25_kinds_in_a_seeded_ord
     assert len(every) == 541 and {t.prompt for t in every} == {r["prompt"] for r in rows}
     assert [t.id for t in take_tasks(env, "ifeval", "heldout", 0, 16)] == [t.id for t in every[:16]]
     assert [t.id for t in take_tasks(env, "ifeval", "heldout", 1, 16)] != [t.id for t in every[:16]]
-    with pytest.raises(Exception, match="no training tasks yet"):
-        next(env.tasks("train", 0))
+
+
+def test_training_tasks_are_the_projects_prompts_with_registry_instructions_never_ifevals_prompts():
+    rows = load_rows()[0]
+    official = {r["prompt"] for r in rows}
+    train = list(itertools.islice(IFEvalEnv().tasks("train", 0), 1500))
+    assert train == list(itertools.islice(IFEvalEnv().tasks("train", 0), 1500))     # seeded
+    assert not {t.prompt for t in train} & official
+    bases = {p.id: p.text for p in load_prompts(split="train")}
+    assert all(t.data["key"] in bases and t.prompt.startswith(bases[t.data["key"]]) for t in train)
+    assert not set(bases.values()) & official and not any(text in prompt for text in bases.values()
+                                                          for prompt in list(official)[:50])
+    clash = conflicts()
+    sizes = Counter(len(t.data["instruction_ids"]) for t in train)
+    assert set(sizes) == {1, 2, 3} and sizes[1] > sizes[2] > sizes[3]
+    kinds = Counter(k for t in train for k in t.data["instruction_ids"])
+    assert set(TRAIN_WEIGHTS) == set(instruction_ids()) and set(kinds) <= set(instruction_ids())
+    # drawn toward kinds the base follows sometimes: number_sentences (p 0.60) far more often than quotation (0.00)
+    assert kinds["length_constraints:number_sentences"] > 5 * kinds["startend:quotation"] > 0
+    for task in train:
+        ids = task.data["instruction_ids"]
+        assert not any(b in clash[a] for i, a in enumerate(ids) for b in ids[i + 1:])
+    # the checkers take the drawn arguments: a length rule read back from the prompt decides the verdict
+    task = next(t for t in train if t.data["instruction_ids"] == ["length_constraints:number_words"])
+    args = task.data["kwargs"][0]
+    short, long = "word " * (args["num_words"] - 1), "word " * (args["num_words"] + 1)
+    verdicts = [IFEvalEnv().score(task, text).reward for text in (short, long)]
+    assert verdicts == ([1.0, 0.0] if args["relation"] == "less than" else [0.0, 1.0])
+
+
+def test_describe_is_seeded_and_leaves_the_callers_random_state_alone():
+    random.seed(5)
+    expected = random.random()
+    random.seed(5)
+    first = describe("length_constraints:number_words", 11, "Say hi.")
+    assert random.random() == expected
+    assert describe("length_constraints:number_words", 11, "Say hi.") == first
+    assert {describe("length_constraints:number_words", s, "Say hi.")[0] for s in range(10)} != {first[0]}
+    repeat, args = describe("combination:repeat_prompt", 1, "Say hi.")
+    assert args["prompt_to_repeat"] == "Say hi."
 
 
 def test_strict_and_loose_verdicts_of_the_official_checkers():
@@ -115,6 +157,12 @@ def test_eval_policy_ifeval_through_a_live_server(home, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["env"] == "ifeval" and result["tasks"] == 4 and result["max_tokens"] == 8
     metrics = result["env_metrics"]["base"]
-    assert set(metrics) == {"prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose"}
+    assert set(metrics) == {"prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose",
+                            "by_instruction"}
+    instructions = {task_id("ifeval", row["prompt"]): len(row["instruction_id_list"]) for row in load_rows()[0]}
+    asked = sum(kind["n"] for kind in metrics["by_instruction"].values())
+    assert asked == sum(instructions[t] for t in result["task_ids"])
+    assert len(result["versions"]["base"]["answers"]) == 4 and all(
+        isinstance(a, str) for a in result["versions"]["base"]["answers"])
     assert result["served"]["base"]["spec_decode"]["num_steps"] > 0
     assert "instruction-level strict" in capsys.readouterr().out

@@ -1,5 +1,6 @@
-"""A short `specrl rl` loop on the tiny model: versions advance, swaps happen, nothing fails, and the
-report has acceptance recovery per swap and rollout tokens/s with and without speculation."""
+"""A short `specrl rl --env ifeval` loop on the tiny model: versions advance, swaps happen, nothing fails, and the
+report has acceptance recovery per swap, rollout tokens/s with and without speculation, and the final paired
+evaluation of base against the last published policy."""
 
 import uuid
 from pathlib import Path
@@ -24,8 +25,8 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
     settings = Settings.load(home=home, model="tiny-random", deployment=deployment, redis_url=REDIS_URL,
                              port=free_port(), store=str(tmp_path / "store"))
     try:
-        report = run_rl(settings, env_name="format", minutes=0.5, group_size=3, tasks_per_step=2,
-                        publish_every=1, eval_every=2, eval_tasks=4, max_tokens=8,
+        report = run_rl(settings, env_name="ifeval", minutes=0.5, group_size=3, tasks_per_step=2,
+                        publish_every=1, eval_every=2, eval_tasks=4, final_eval_tasks=6, max_tokens=8,
                         config=GRPOConfig(lr=1e-4, max_lag=1), out_dir=str(tmp_path / "run"), window_tokens=16,
                         sample_every_s=0.5, speed_tasks=2, speed_rounds=1)
     finally:
@@ -42,6 +43,15 @@ def test_short_rl_loop_publishes_and_swaps_policies(home, tmp_path, tiny_dir):
                               store=WeightsStore(settings.store_path))
         assert resumed.version == published[-1] and resumed.published[1:] == published
     assert all(0.0 <= e["reward"] <= 1.0 for e in report["evals"])
+    # at the end, base and the last published policy on the same held-out tasks, paired, IFEval's own numbers too
+    final = report["final_eval"]
+    if published:
+        assert final["policy"] == published[-1] and final["tasks"] == 6 and Path(final["report"]).is_file()
+        for metric in ("reward", "prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose"):
+            assert final[metric]["diff"] == pytest.approx(final[metric]["trained"] - final[metric]["base"])
+    else:
+        assert final == {"skipped": "no policy was published"}
+    assert all(s["groups"] >= s["flat_groups"] >= 0 for s in report["steps"])
     # one recovery entry per policy swap seen in the /metrics samples, the last swap included
     recovery = report["recovery"]
     assert len(recovery["swaps"]) == len(published) and recovery["window_tokens"] == 16

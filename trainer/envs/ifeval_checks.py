@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -75,6 +76,27 @@ def load_rows() -> tuple[tuple[dict, ...], str]:
 def instruction_ids() -> tuple[str, ...]:
     """Every instruction id the registry knows ("punctuation:no_comma", ...)."""
     return tuple(sorted(official().instructions_registry.INSTRUCTION_DICT))
+
+
+def conflicts() -> dict[str, set[str]]:
+    """Instruction id -> the ids it cannot be combined with (itself included), the registry's own table."""
+    registry = official().instructions_registry
+    return registry.conflict_make({k: set(v) for k, v in registry.INSTRUCTION_CONFLICTS.items()})
+
+
+def describe(instruction_id: str, seed: int, prompt: str) -> tuple[str, dict[str, Any]]:
+    """The registry's own instruction text with arguments drawn from `seed` ("Answer with less than 486 words.")
+    and the arguments its checker needs. The registry draws them from the global `random`: seeded here, and the
+    caller's random state put back. Raises KeyError for an unknown id."""
+    checker = official().instructions_registry.INSTRUCTION_DICT[instruction_id](instruction_id)
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        text = (checker.build_description(prompt_to_repeat=prompt) if instruction_id == "combination:repeat_prompt"
+                else checker.build_description())
+    finally:
+        random.setstate(state)
+    return text, {k: v for k, v in (checker.get_instruction_args() or {}).items() if v is not None}
 
 
 def follows(ids: list[str], kwargs: list[dict[str, Any]], prompt: str, response: str) -> tuple[list[bool], list[bool]]:

@@ -10,6 +10,12 @@ exp(ref - log pi) - (ref - log pi) - 1. Token losses are averaged per completion
 averaged over the batch. Rollouts are sampled at temperature 1 with top_p 1 so that the recorded
 log-probs are the policy's own distribution.
 
+Precision: the weights, the gradients and AdamW's moments are float32; the forward and backward run under
+bfloat16 autocast where the CPU has native bf16 dot products (`GRPOConfig.compute`, "auto"): the server
+serves bfloat16 weights there already, so the behaviour log-probs carry bfloat16's rounding either way, and
+a step takes about half the time (8 completions of 200 tokens, 1 thread, AMX Xeon: 13.8 s against 25.3 s
+in float32). Log-softmax and the loss are float32.
+
 Restart safety: with a `state_path`, every publish also checkpoints the trainer (policy, AdamW
 moments, step count, the published versions), and a new trainer on the same path resumes from it.
 Rollouts are not kept: they are produced on-policy and a restarted run samples new ones, so what
@@ -37,6 +43,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specrl.errors import SpecrlError
+from specrl.models.calibration import NATIVE_BF16_FLAGS, cpu_info
 from specrl.models.llama import TensorSource, load_llama
 from specrl.trainer.checkpoint import save_checkpoint
 from specrl.weights import WeightsStore
@@ -67,6 +74,7 @@ class GRPOConfig:
     beta: float = 0.02
     max_lag: int = 1
     max_grad_norm: float = 1.0
+    compute: str = "auto"   # "float32" | "bfloat16" (autocast) | "auto": bfloat16 where the CPU has native bf16
 
 
 @dataclass
@@ -86,6 +94,7 @@ class GRPOTrainer:
         """`state_path`: checkpoint file, resumed from when it exists; `store`: where the policy is
         published (needed to resume past a publish the checkpoint missed)."""
         self.model_dir, self.config = Path(model_dir), config
+        self.autocast_bf16 = autocast_bf16(config.compute)   # an unknown value fails before any load
         self.policy = load_llama(model_dir)
         self.policy.requires_grad_(True)
         self.reference = load_llama(model_dir) if config.beta > 0 else None
@@ -124,7 +133,8 @@ class GRPOTrainer:
         self.optimizer.zero_grad()
         total = 0.0
         for rollout, advantage in batch:  # one completion at a time bounds memory (V = 49k logits per token)
-            loss = self._completion_loss(rollout, advantage) / len(batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_bf16):
+                loss = self._completion_loss(rollout, advantage) / len(batch)
             loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
@@ -188,6 +198,15 @@ class GRPOTrainer:
             self.policy.load_hf_state(TensorSource.from_dir(store.verify("policy", children[-1])))
             self.published.append(children[-1])
         log.info("event=resume state=%s steps=%d policy=%s", self.state_path, self.steps, self.version)
+
+
+def autocast_bf16(compute: str) -> bool:
+    """`GRPOConfig.compute` -> whether the policy's forward and backward run under bfloat16 autocast."""
+    if compute not in ("auto", "float32", "bfloat16"):
+        raise SpecrlError(f"GRPO compute must be auto, float32 or bfloat16; got {compute!r}")
+    if compute == "auto":
+        return any(flag in cpu_info()[1] for flag in NATIVE_BF16_FLAGS)
+    return compute == "bfloat16"
 
 
 def _mean(values: list[float]) -> float:

@@ -5,6 +5,7 @@
                                         statistic pooled over parts (followed instructions / instructions)
 
 Both return the difference second - first with a 95% CI; a rise is measured when the CI lies above 0.
+`bootstrap_rate(items)` is one version's pooled rate with its 95% CI, resampled the same way.
 """
 
 from __future__ import annotations
@@ -46,12 +47,9 @@ def paired_bootstrap(first: list[list[bool]], second: list[list[bool]], *, itera
     """
     if len(first) != len(second) or not first or any(len(x) != len(y) for x, y in zip(first, second)):
         raise ValueError("paired_bootstrap needs the same items with the same parts for both versions")
-    passed_first = np.array([sum(map(bool, x)) for x in first], dtype=np.float64)
-    passed_second = np.array([sum(map(bool, y)) for y in second], dtype=np.float64)
-    parts = np.array([len(x) for x in first], dtype=np.float64)
-    if parts.sum() == 0:
-        raise ValueError("paired_bootstrap needs at least one part")
-    draws = np.random.default_rng(seed).integers(0, len(first), size=(iterations, len(first)))
+    passed_first, parts = _passed_and_parts(first)
+    passed_second, _ = _passed_and_parts(second)
+    draws = _resamples(len(first), iterations, seed)
     total = parts[draws].sum(axis=1)
     total[total == 0] = 1.0
     diffs = (passed_second[draws].sum(axis=1) - passed_first[draws].sum(axis=1)) / total
@@ -62,3 +60,32 @@ def paired_bootstrap(first: list[list[bool]], second: list[list[bool]], *, itera
             "diff": float((passed_second.sum() - passed_first.sum()) / parts.sum()), "ci95": [float(low), float(high)],
             "p_value": p, "items": len(first), "parts": int(parts.sum()), "iterations": iterations,
             "method": f"paired bootstrap over items (their parts kept together), {iterations} resamples, percentile CI"}
+
+
+def bootstrap_rate(items: list[list[bool]], *, iterations: int = 10_000, seed: int = 0) -> dict:
+    """One version's pooled pass rate (parts passed / parts) with a 95% percentile CI, items resampled with all
+    their parts (as `paired_bootstrap` does: parts of one item are not independent)."""
+    if not items:
+        raise ValueError("bootstrap_rate needs at least one item")
+    passed, parts = _passed_and_parts(items)
+    draws = _resamples(len(items), iterations, seed)
+    total = parts[draws].sum(axis=1)
+    total[total == 0] = 1.0
+    low, high = np.percentile(passed[draws].sum(axis=1) / total, [2.5, 97.5])
+    return {"rate": float(passed.sum() / parts.sum()), "ci95": [float(low), float(high)], "items": len(items),
+            "parts": int(parts.sum()), "iterations": iterations,
+            "method": f"bootstrap over items (their parts kept together), {iterations} resamples, percentile CI"}
+
+
+def _passed_and_parts(items: list[list[bool]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per item: parts passed, parts (float64 [N] each). ValueError when there is no part at all."""
+    passed = np.array([sum(map(bool, x)) for x in items], dtype=np.float64)
+    parts = np.array([len(x) for x in items], dtype=np.float64)
+    if parts.sum() == 0:
+        raise ValueError("a pooled rate needs at least one part")
+    return passed, parts
+
+
+def _resamples(items: int, iterations: int, seed: int) -> np.ndarray:
+    """Item indices drawn with replacement, int64 [iterations, items] (seeded: the same draw for both versions)."""
+    return np.random.default_rng(seed).integers(0, items, size=(iterations, items))

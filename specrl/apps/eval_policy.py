@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Iterator
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
-from specrl.apps.launch import free_port, spawn, terminate, wait_healthy
+from specrl.apps.launch import running_server
 from specrl.apps.rl import add_env_flags, with_deployment_store
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError, SpecrlError
@@ -161,18 +161,12 @@ def served_policy(settings: Settings, store: WeightsStore, version: str, work_di
         if not link.exists():
             link.symlink_to(store.verify("policy", version).resolve(), target_is_directory=True)
         own.set_current("policy", version)
-    port, log = free_port(), work_dir / f"serve-{version}.log"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env.update(SPECRL_HOME=str(settings.home), SPECRL_ADMIN_TOKEN=secrets.token_hex(16))
-    proc = spawn(["serve", "--model", settings.model, "--store", str(own.root), "--port", str(port), "--host",
-                  "127.0.0.1", "--deployment", f"eval-{secrets.token_hex(4)}", "--threads", str(settings.threads)],
-                 env, log)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, log)
+    with running_server(["--model", settings.model, "--store", str(own.root), "--deployment",
+                         f"eval-{secrets.token_hex(4)}", "--threads", str(settings.threads)], env,
+                        work_dir / f"serve-{version}.log") as url:
         yield url
-    finally:
-        terminate(proc)
 
 
 def _answer(client: RolloutClient, version: str, pool: ScorePool, heldout: list, *, samples: int, k: int,
@@ -221,20 +215,6 @@ def ask(client: RolloutClient, version: str, tasks: list, options: list[dict], c
             answers.append([choice["message"]["content"] for choice in data["choices"]])
             bar.update(1)
     return answers
-
-
-def complete(engine, prompts: list, params: list, what: str) -> list:
-    """The engine's completions (`Completion`s, in the prompts' order), in chunks of a few batches so
-    that a progress bar labelled `what` moves."""
-    from tqdm import tqdm
-
-    chunk = 4 * engine.settings.max_batch
-    done: list = []
-    with tqdm(total=len(prompts), desc=what, unit="answer", file=sys.stderr, leave=False) as bar:
-        for start in range(0, len(prompts), chunk):
-            done += engine.generate(prompts[start:start + chunk], params[start:start + chunk])
-            bar.update(len(prompts[start:start + chunk]))
-    return done
 
 
 def table_lines(result: dict, metrics: list[str]) -> list[str]:

@@ -3,6 +3,7 @@ on a loopback port, wait until it answers /health, stop it with SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 from specrl.errors import SpecrlError
 
@@ -49,10 +51,40 @@ def shared_threads(threads: int, processes: int) -> int:
     return threads if threads > 0 else max(1, (os.cpu_count() or 1) // processes)
 
 
-def spawn(args: list[str], env: dict, log: Path) -> subprocess.Popen:
-    """Run `specrl <args>` with its output (stdout and stderr) in `log`."""
-    return subprocess.Popen([sys.executable, "-m", "specrl.apps.cli", *args], env=env, stdout=open(log, "w"),
+def spawn(args: list[str], env: dict, log: Path, *, nice: int = 0) -> subprocess.Popen:
+    """Run `specrl <args>` with its output (stdout and stderr) in `log`; `nice` > 0 lowers its CPU priority by that
+    much below this process's (set right after it starts, before it has made any thread: its threads inherit it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "specrl.apps.cli", *args], env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
+    if nice > 0:
+        with contextlib.suppress(ProcessLookupError):   # it may already have exited
+            os.setpriority(os.PRIO_PROCESS, proc.pid, min(os.getpriority(os.PRIO_PROCESS, 0) + nice, 19))
+    return proc
+
+
+def start_server(args: list[str], env: dict, log: Path, *, host: str = "127.0.0.1", port: int | None = None,
+                 timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+    """`specrl serve <args>` on `host`:`port` (a free loopback port when None), waited for until it answers
+    /health -> (the process, its URL). One that dies or never answers is stopped and raises SpecrlError."""
+    port = port or free_port()
+    url = f"http://{host}:{port}"
+    proc = spawn(["serve", *args, "--host", host, "--port", str(port)], env, log)
+    try:
+        wait_healthy(url, proc, log, timeout_s)
+    except BaseException:
+        terminate(proc)
+        raise
+    return proc, url
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], env: dict, log: Path, **where) -> Iterator[str]:
+    """`start_server` for the length of a `with` block -> the server's URL; stopped on exit."""
+    proc, url = start_server(args, env, log, **where)
+    try:
+        yield url
+    finally:
+        terminate(proc)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:

@@ -50,7 +50,7 @@ import redis
 import torch
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
-from specrl.apps.launch import free_port, shared_threads, spawn, terminate, wait_healthy
+from specrl.apps.launch import running_server, shared_threads, spawn, start_server, terminate
 from specrl.apps.ray_fleet import Fleet
 from specrl.apps.redis_server import RedisServer
 from specrl.apps.rl_report import acceptance_recovery, recovery_summary, write_report
@@ -68,6 +68,9 @@ from specrl.trainer.rollout import TEMPERATURE, RolloutClient, RolloutPipeline, 
 from specrl.weights import WeightsStore
 
 log = logging.getLogger("specrl.apps.rl")
+# The drafter trainer takes the cycles rollouts and GRPO leave: on 2 cores three busy processes at equal
+# priority gave each ~2/3 of a core, and the policy's steps per minute are what the run is for.
+DRAFTER_TRAINER_NICE = 10
 POLICY_SWAP_RETRIES = 7  # 0.5 s doubling: ~30 s for a drafter swap in flight to land
 SPEED_METHOD = ("final policy; the live server (drafter and suffix index, adaptive k) vs a second server on the same "
                 "store with --drafter none --suffix-capacity 0 (plain decoding; its records to a stream of its own); the same held-out tasks sent as "
@@ -89,6 +92,9 @@ def register(sub) -> None:
                         "(`specrl eval-policy`; 0: skip)")
     p.add_argument("--policy-lr", type=float, default=2e-6)
     p.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
+    p.add_argument("--policy-compute", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="GRPO's forward and backward: bfloat16 autocast (float32 weights and optimizer) or float32; "
+                        "auto: bfloat16 where the CPU has native bf16 dot products")
     p.add_argument("--out", default=None, help="run directory (default <home>/runs/rl-<env>-<time>)")
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run the roles on Ray: the server as replicas on Ray Serve behind its proxy on --port, the "
@@ -117,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     run_rl(settings_from(args).with_env_redis(), env_name=args.env, minutes=args.minutes, group_size=args.group_size,
            tasks_per_step=args.tasks_per_step, publish_every=args.publish_every, eval_every=args.eval_every,
            eval_tasks=args.eval_tasks, final_eval_tasks=args.final_eval_tasks, max_tokens=args.max_tokens,
-           config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag), out_dir=args.out,
+           config=GRPOConfig(lr=args.policy_lr, max_lag=args.max_lag, compute=args.policy_compute), out_dir=args.out,
            score_workers=args.score_workers, score_timeout_s=args.score_timeout, fleet=fleet)
     return 0
 
@@ -265,13 +271,13 @@ def _final_evaluation(settings: Settings, env_name: str, version: str, tasks: in
 
 def _start_children(children: list, settings: Settings, common: list[str], env_vars: dict, url: str,
                     run_dir: Path) -> None:
-    """The server (waited for until healthy), then the drafter trainer, appended to `children` as they start."""
-    children.append(spawn(["serve", *common, "--port", str(settings.port), "--host", settings.host], env_vars,
-                          run_dir / "server.log"))
-    wait_healthy(url, children[0], run_dir / "server.log")
+    """The server (waited for until healthy), then the drafter trainer (at a lower CPU priority), appended to
+    `children` as they start."""
+    server, _ = start_server(common, env_vars, run_dir / "server.log", host=settings.host, port=settings.port)
+    children.append(server)
     children.append(spawn(["train-drafter", *common, "--server", url,
                            "--trainer-events", str(run_dir / "drafter-events.jsonl")], env_vars,
-                          run_dir / "drafter-trainer.log"))
+                          run_dir / "drafter-trainer.log", nice=DRAFTER_TRAINER_NICE))
 
 
 def _start_fleet(fleet: Fleet, settings: Settings, run_dir: Path) -> str:
@@ -421,39 +427,32 @@ def _measure_speed(settings: Settings, flags: list[str], redis_url: str, env_var
     side, AVX-512 EPYC), and a second server without it once credited speculation with that 5% as
     a loss.
     """
-    port = free_port()
     plain_deployment = f"{settings.deployment}-no-speculation"
-    plain_url, log_path = f"http://{settings.host}:{port}", run_dir / "server-no-speculation.log"
-    try:
-        server = spawn(["serve", *flags, "--deployment", plain_deployment, "--drafter", "none", "--suffix-capacity",
-                        "0", "--port", str(port), "--host", settings.host], env_vars, log_path)
-    except OSError as exc:
-        return {"error": repr(exc)}
-    clients = {"with_speculation": RolloutClient(url, settings.model, n=n, max_tokens=max_tokens),
-               "without_speculation": RolloutClient(plain_url, settings.model, n=n, max_tokens=max_tokens)}
+    plain_flags = [*flags, "--deployment", plain_deployment, "--drafter", "none", "--suffix-capacity", "0"]
     messages = [task_messages(task) for task in tasks]
     try:
-        wait_healthy(plain_url, server, log_path)
-        for client in clients.values():
-            client.complete(messages[0], n=n, temperature=TEMPERATURE)
-            client.tokens, client.seconds = 0, 0.0
-        urls = {"with_speculation": url, "without_speculation": plain_url}
-        before = {name: sample_metrics(u, 0.0) for name, u in urls.items()}
-        per_round: dict[str, list[float]] = {name: [] for name in clients}
-        for r in range(rounds):
-            for name, client in list(clients.items())[:: 1 if r % 2 == 0 else -1]:
-                tokens, seconds = client.tokens, client.seconds
-                for m in messages:
-                    client.complete(m, n=n, temperature=TEMPERATURE)
-                per_round[name].append((client.tokens - tokens) / max(client.seconds - seconds, 1e-9))
-        after = {name: sample_metrics(u, 0.0) for name, u in urls.items()}
+        with running_server(plain_flags, env_vars, run_dir / "server-no-speculation.log",
+                            host=settings.host) as plain_url:
+            urls = {"with_speculation": url, "without_speculation": plain_url}
+            clients = {name: RolloutClient(u, settings.model, n=n, max_tokens=max_tokens) for name, u in urls.items()}
+            for client in clients.values():
+                client.complete(messages[0], n=n, temperature=TEMPERATURE)
+                client.tokens, client.seconds = 0, 0.0
+            before = {name: sample_metrics(u, 0.0) for name, u in urls.items()}
+            per_round: dict[str, list[float]] = {name: [] for name in clients}
+            for r in range(rounds):
+                for name, client in list(clients.items())[:: 1 if r % 2 == 0 else -1]:
+                    tokens, seconds = client.tokens, client.seconds
+                    for m in messages:
+                        client.complete(m, n=n, temperature=TEMPERATURE)
+                    per_round[name].append((client.tokens - tokens) / max(client.seconds - seconds, 1e-9))
+            after = {name: sample_metrics(u, 0.0) for name, u in urls.items()}
         if None in (*before.values(), *after.values()):
             raise OSError("a server did not answer /metrics")
     except (SpecrlError, OSError) as exc:
         log.error("event=speed_measurement_failed error=%r", exc)
         return {"error": repr(exc)}
     finally:
-        terminate(server)
         _delete_stream(redis_url, events_stream(plain_deployment))
     arms = {name: {"tokens": c.tokens, "seconds": round(c.seconds, 3),
                    "tokens_per_s": c.tokens / c.seconds if c.seconds else 0.0,

@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 from specrl.apps.flags import COMMON, add_settings, settings_from
-from specrl.apps.launch import free_port, shared_threads, spawn, terminate, wait_healthy
+from specrl.apps.launch import free_port, shared_threads, spawn, start_server, terminate
 from specrl.apps.ray_fleet import Fleet
 from specrl.apps.redis_server import RedisServer
 from specrl.apps.scrape import rates, sample_metrics, sample_trainer, yield_of
@@ -81,9 +81,8 @@ def run_up(settings: Settings, *, demo: bool, duration_s: float, users: int, int
     samples: list[dict] = []
     try:
         if fleet is None:
-            children.append(spawn(["serve", *common, "--host", settings.host, "--port", str(settings.port)],
-                                   env, run_dir / "server.log"))
-            wait_healthy(url, children[0], run_dir / "server.log")
+            children.append(start_server(common, env, run_dir / "server.log", host=settings.host,
+                                         port=settings.port)[0])
         else:
             print(f"specrl up: starting {fleet.replicas} replicas on Ray Serve", file=sys.stderr, flush=True)
             url = fleet.start(settings.replace(admin_token=token, redis_url=redis.url))

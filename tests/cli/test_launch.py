@@ -2,7 +2,7 @@
 
 import os
 
-from specrl.apps.launch import shared_threads
+from specrl.apps.launch import shared_threads, spawn
 
 
 def test_busy_processes_split_the_cores_unless_threads_are_set():
@@ -23,3 +23,15 @@ def test_free_ports_are_bindable_and_below_the_ephemeral_range():
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_spawn_lowers_the_priority_of_a_background_child(tmp_path):
+    niced = spawn(["--help"], dict(os.environ), tmp_path / "niced.log", nice=10)
+    plain = spawn(["--help"], dict(os.environ), tmp_path / "plain.log")
+    try:
+        # read while the child is alive or a zombie (not yet waited for): its priority is still there
+        assert os.getpriority(os.PRIO_PROCESS, niced.pid) == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
+        assert os.getpriority(os.PRIO_PROCESS, plain.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        assert niced.wait(60) == 0 and plain.wait(60) == 0
+    assert "usage" in (tmp_path / "niced.log").read_text()

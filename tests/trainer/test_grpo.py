@@ -28,7 +28,10 @@ def trainer(tiny_dir):
     return GRPOTrainer(tiny_dir, GRPOConfig(lr=1e-3, beta=0.02))
 
 
-def test_steps_raise_the_better_completion(trainer):
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_steps_raise_the_better_completion(tiny_dir, compute):
+    trainer = GRPOTrainer(tiny_dir, GRPOConfig(lr=1e-3, beta=0.02, compute=compute))
+    assert trainer.autocast_bf16 == (compute == "bfloat16")
     good, bad = [11, 12, 13], [21, 22, 23]
     before = sum(logprobs(trainer.policy, PROMPT, good)) - sum(logprobs(trainer.policy, PROMPT, bad))
     for _ in range(5):
@@ -36,6 +39,13 @@ def test_steps_raise_the_better_completion(trainer):
         assert stats.trained == 2
     after = sum(logprobs(trainer.policy, PROMPT, good)) - sum(logprobs(trainer.policy, PROMPT, bad))
     assert after > before + 1.0
+    # autocast computes in bfloat16; the weights (and AdamW's moments) it updates stay float32
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+
+
+def test_an_unknown_compute_is_refused(tiny_dir):
+    with pytest.raises(SpecrlError, match="auto, float32 or bfloat16"):
+        GRPOTrainer(tiny_dir, GRPOConfig(compute="float8"))
 
 
 def test_flat_groups_teach_nothing(trainer):

@@ -7,7 +7,7 @@ import random
 import pytest
 from scipy.stats import binomtest
 
-from specrl.trainer.significance import mcnemar, paired_bootstrap
+from specrl.trainer.significance import bootstrap_rate, mcnemar, paired_bootstrap
 
 
 def test_mcnemar_counts_discordant_items_and_matches_the_exact_binomial_test():
@@ -62,3 +62,18 @@ def test_paired_bootstrap_finds_a_rise_of_a_third_on_two_hundred_items_and_not_n
     assert paired_bootstrap(base, better)["ci95"][0] > 0
     low, high = paired_bootstrap(base, noisy)["ci95"]
     assert low < 0.08 and high > -0.08   # the same rate drawn again: a CI around 0, not a rise
+
+
+def test_bootstrap_rate_pools_parts_and_its_ci_matches_the_binomial_one_for_single_parts():
+    items = [[True, False, False], [False], [True, True]]
+    result = bootstrap_rate(items, iterations=2000, seed=1)
+    assert result["rate"] == pytest.approx(3 / 6) and result["parts"] == 6 and result["items"] == 3
+    assert 0 <= result["ci95"][0] <= result["rate"] <= result["ci95"][1] <= 1
+    rng = random.Random(5)
+    single = [[rng.random() < 0.3] for _ in range(400)]     # one part per item: the binomial proportion
+    rate = sum(x[0] for x in single) / len(single)
+    half = 1.96 * (rate * (1 - rate) / len(single)) ** 0.5
+    low, high = bootstrap_rate(single)["ci95"]
+    assert (high - low) / 2 == pytest.approx(half, rel=0.1)
+    with pytest.raises(ValueError, match="at least one"):
+        bootstrap_rate([])

@@ -28,7 +28,7 @@ from specrl.data.prompts import load_prompts
 from specrl.trainer.envs.base import Score, Task, check_split, task_id
 from specrl.trainer.envs.ifeval_checks import (CheckerDataMissing, conflicts, describe, follows, instruction_ids,
                                                load_rows)
-from specrl.trainer.significance import Z95, mcnemar, paired_bootstrap
+from specrl.trainer.significance import Z95, bootstrap_rate, mcnemar, paired_bootstrap
 
 METRICS = ("prompt_strict", "prompt_loose", "instruction_strict", "instruction_loose")
 NAMES = {"prompt_strict": "prompt-level strict", "prompt_loose": "prompt-level loose",
@@ -151,8 +151,8 @@ class IFEvalEnv:
                     if version != versions[0]:
                         entry[metric]["vs_first"] = mcnemar([all(v) for v in reference], passed)
                 else:
-                    alone = paired_bootstrap([[False] * len(v) for v in items], items)  # the rate and its CI
-                    entry[metric] = {"value": alone["diff"], "ci95": (alone["ci95"][1] - alone["ci95"][0]) / 2}
+                    alone = bootstrap_rate(items)
+                    entry[metric] = {"value": alone["rate"], "ci95": (alone["ci95"][1] - alone["ci95"][0]) / 2}
                     if version != versions[0]:
                         entry[metric]["vs_first"] = paired_bootstrap(reference, items)
             entry["by_instruction"] = by_instruction(tasks, verdicts[version])

@@ -269,7 +269,7 @@ class Run:
         return report
 
     def _start(self) -> None:
-        from specrl.apps.launch import free_port, spawn, wait_healthy
+        from specrl.apps.launch import free_port, spawn, start_server
         from specrl.apps.scrape import engine_info
 
         port = free_port()
@@ -280,10 +280,9 @@ class Run:
                   "--draft-vocab-size", str(self.settings.draft_vocab_size)]
         _progress(f"run={self.spec.name}: starting server and trainer (objective={self.spec.objective}, "
                   f"deployment={self.deployment}, logs in {self.out})")
-        self.children["server"] = spawn(["serve", *common, "--dtype", self.settings.dtype, "--host", "127.0.0.1", "--port",
-                                          str(port), "--drafter", "day0", "--max-batch", str(self.settings.max_batch)], env,
-                                         self.out / "server.log")
-        wait_healthy(self.url, self.children["server"], self.out / "server.log")
+        self.children["server"], _ = start_server([*common, "--dtype", self.settings.dtype, "--drafter", "day0",
+                                                   "--max-batch", str(self.settings.max_batch)], env,
+                                                  self.out / "server.log", port=port)
         self.engine = engine_info(self.url)
         self.meter.reset_index()  # the meter's suffix index learns this run's traffic as another replica would
         self.feed = FleetFeed(self.redis_url, self.stream, "bench-meter", self.meter.index,

@@ -178,23 +178,36 @@ def _load(settings: Settings, model_dir: Path, fmt: str):
 def _answer(settings: Settings, target, tokenizer, fmt: str, prompt_ids: list[list[int]], max_tokens: int,
             env: dict | None) -> tuple[list[list[int]], list[float]]:
     """One format's greedy answers (token ids) to the prompts, and its rewards on the env's tasks."""
-    from specrl.apps.eval_policy import complete
     from specrl.engine.engine import Engine
     from specrl.speculation.sampling import SamplingParams
 
     engine = Engine(target, tokenizer, settings, calibrate=False)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    answers = [c.output_ids for c in complete(engine, prompt_ids, [greedy] * len(prompt_ids),
+    answers = [c.output_ids for c in _complete(engine, prompt_ids, [greedy] * len(prompt_ids),
                                               f"bench quality {fmt}: prompts")]
     rewards: list[float] = []
     if env:
         from specrl.trainer.envs import ScorePool
 
         params = [SamplingParams(max_tokens=env["max_tokens"], temperature=0.0)] * len(env["tasks"])
-        texts = [c.text for c in complete(engine, env["prompt_ids"], params, f"bench quality {fmt}: {env['name']}")]
+        texts = [c.text for c in _complete(engine, env["prompt_ids"], params, f"bench quality {fmt}: {env['name']}")]
         with ScorePool(env["name"], workers=2, timeout_s=env["timeout_s"], cache_dir=settings.home / "cache") as pool:
             rewards = [s.reward for s in pool.score_each(env["tasks"], texts)]
     return answers, rewards
+
+
+def _complete(engine, prompts: list, params: list, what: str) -> list:
+    """The engine's completions (`Completion`s, in the prompts' order), in chunks of a few batches so
+    that a progress bar labelled `what` moves."""
+    from tqdm import tqdm
+
+    chunk = 4 * engine.settings.max_batch
+    done: list = []
+    with tqdm(total=len(prompts), desc=what, unit="answer", file=sys.stderr, leave=False) as bar:
+        for start in range(0, len(prompts), chunk):
+            done += engine.generate(prompts[start:start + chunk], params[start:start + chunk])
+            bar.update(len(prompts[start:start + chunk]))
+    return done
 
 
 @torch.inference_mode()

@@ -165,13 +165,22 @@ def final_eval_lines(final: dict | None) -> list[str]:
     if "skipped" in final:
         return [f"final evaluation skipped: {final['skipped']}"]
     lines = [f"final evaluation, {final['tasks']} held-out tasks, base -> {final['policy']} ({final['report']}):"]
+    for name, entry, (low, high) in final_eval_rows(final):
+        interval = f"[{low:+.3f}, {high:+.3f}]" if isinstance(entry["ci95"], list) else f"+- {entry['ci95']:.3f}"
+        lines.append(f"  {name:<20} {entry['base']:.3f} -> {entry['trained']:.3f}  {entry['diff']:+.3f} "
+                     f"{interval}" + (f"  p={entry['p_value']:.2g}" if "p_value" in entry else ""))
+    return lines
+
+
+def final_eval_rows(final: dict) -> list[tuple[str, dict, tuple[float, float]]]:
+    """The final evaluation's paired metrics -> (name, entry, its 95% interval of trained - base): the CI is a
+    [low, high] pair (IFEval's McNemar and bootstrap) or a +- half-width (the normal approximation)."""
+    rows = []
     for name, entry in final.items():
         if isinstance(entry, dict) and "diff" in entry:
             ci = entry["ci95"]
-            interval = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if isinstance(ci, list) else f"+- {ci:.3f}"
-            lines.append(f"  {name:<20} {entry['base']:.3f} -> {entry['trained']:.3f}  {entry['diff']:+.3f} "
-                         f"{interval}" + (f"  p={entry['p_value']:.2g}" if "p_value" in entry else ""))
-    return lines
+            rows.append((name, entry, tuple(ci) if isinstance(ci, list) else (entry["diff"] - ci, entry["diff"] + ci)))
+    return rows
 
 
 def pipeline_lines(pipeline: dict | None) -> list[str]:
@@ -208,7 +217,8 @@ def _plot(path: Path, report: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3, ax4) = plt.subplots(4, 1, figsize=(9, 11), gridspec_kw={"height_ratios": [2, 2, 1, 1]})
+    fig, (ax1, ax2, ax3, ax4, ax5) = plt.subplots(5, 1, figsize=(9, 13.5),
+                                                  gridspec_kw={"height_ratios": [2, 2, 1, 1, 1.4]})
     evals = report["evals"]
     ax1.errorbar(range(len(evals)), [e["reward"] for e in evals], yerr=[e["ci95"] or 0 for e in evals], marker="o")
     ax1.set_xticks(range(len(evals)), [e["policy"] for e in evals], fontsize=7)
@@ -241,9 +251,31 @@ def _plot(path: Path, report: dict) -> None:
         ax3.set_title("rollout tokens/s: not measured", fontsize=9)
     ax3.set_xlabel("tokens/s")
     _plot_pipeline(ax4, report.get("pipeline"))
+    _plot_final_eval(ax5, report.get("final_eval"))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_final_eval(ax, final: dict | None) -> None:
+    """Per metric, trained - base with its 95% CI on the held-out tasks; green where the CI lies above 0."""
+    rows = final_eval_rows(final) if final and "skipped" not in final else []
+    if not rows:
+        ax.set_title("final evaluation: " + (final or {}).get("skipped", "not run"), fontsize=9)
+        ax.set_axis_off()
+        return
+    for y, (name, entry, (low, high)) in enumerate(rows):
+        color = "tab:green" if low > 0 else ("tab:red" if high < 0 else "tab:grey")
+        ax.errorbar(entry["diff"], y, xerr=[[entry["diff"] - low], [high - entry["diff"]]], fmt="o", color=color,
+                    capsize=3)
+        ax.annotate(f"{entry['base']:.3f} -> {entry['trained']:.3f}", (high, y), xytext=(6, -3),
+                    textcoords="offset points", fontsize=7)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(rows)), [name for name, _, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{final['policy']} - base on {final['tasks']} held-out tasks, paired, 95% CI "
+                  "(green: above 0)")
+    ax.set_title(f"final evaluation: base -> {final['policy']}", fontsize=9)
 
 
 def _plot_pipeline(ax, pipeline: dict | None) -> None:

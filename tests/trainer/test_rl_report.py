@@ -2,7 +2,8 @@
 
 import pytest
 
-from specrl.apps.rl_report import acceptance_recovery, pipeline_lines, recovery_summary, summary_lines, write_report
+from specrl.apps.rl_report import (acceptance_recovery, final_eval_lines, final_eval_rows, pipeline_lines,
+                                   recovery_summary, summary_lines, write_report)
 
 
 def _samples(*intervals, first: str = "v0"):
@@ -85,6 +86,24 @@ def test_report_files_and_summary(tmp_path, capsys):
     assert "5.00 ms/token with (75% of request time)" in line and "5.00 ms/token without (50%" in line
     write_report(tmp_path, {**report, "pipeline": None})       # a report from before the pipeline: no panel
     assert (tmp_path / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
+    write_report(tmp_path, {**report, "final_eval": FINAL})
+    assert (tmp_path / "rl-report.png").read_bytes()[:4] == b"\x89PNG"
+    assert "instruction_strict   0.291 -> 0.359  +0.068 [+0.034, +0.102]  p=0.0001" in capsys.readouterr().err
+
+
+FINAL = {"policy": "v20", "tasks": 256, "report": "final-eval.json",
+         "reward": {"base": 0.287, "trained": 0.353, "diff": 0.066, "ci95": 0.041},
+         "instruction_strict": {"base": 0.291, "trained": 0.359, "diff": 0.068, "ci95": [0.034, 0.102],
+                                "p_value": 0.0001}}
+
+
+def test_final_evaluation_rows_read_both_kinds_of_interval():
+    (reward, _, reward_ci), (strict, entry, strict_ci) = final_eval_rows(FINAL)
+    assert (reward, strict) == ("reward", "instruction_strict") and entry["p_value"] == 0.0001
+    assert reward_ci == pytest.approx((0.025, 0.107)) and strict_ci == (0.034, 0.102)
+    assert final_eval_lines({"skipped": "no policy was published"}) == [
+        "final evaluation skipped: no policy was published"]
+    assert final_eval_lines(None) == []
 
 
 PIPELINE = {"seconds": 100.0, "stages": {

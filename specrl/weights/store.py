@@ -9,8 +9,10 @@ A version directory only ever appears by renaming a finished staging directory
 (`<root>/<role>/.publish-*`) into place, so readers see no version or a whole one, and
 two racing publishers never get the same version (the loser's rename fails, it takes the
 next number). The pointer is replaced with `os.replace`, so it always names a whole
-version. A crash can leave a hidden staging directory behind (ignored); a power loss can
-leave a version whose file contents never reached the disk, which `verify` catches.
+version. A crash can leave a hidden staging directory behind: ignored by readers, and removed by the
+next publish or install of that role once it is STALE_STAGING_S old (a live publisher's staging is
+younger: a publish takes seconds); a power loss can leave a version whose file contents never reached
+the disk, which `verify` catches.
 
 Every name that becomes part of a path is checked first: roles are `ROLES`, versions
 match `VERSION_PATTERN`, so no name can climb out of the store.
@@ -24,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -38,6 +41,8 @@ POINTER = "current"
 WEIGHTS_FILE = "weights.safetensors"
 CONFIG_FILE = "config.json"
 _AUTO_VERSION = re.compile(r"v([0-9]+)")
+STAGING_PREFIXES = (".publish-", ".install-", ".current-")
+STALE_STAGING_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class WeightsStore:
             if name is not None:
                 self._check_version(name, param)
         role_dir.mkdir(parents=True, exist_ok=True)
+        self.sweep_staging(role)
         staging = role_dir / f".publish-{secrets.token_hex(8)}"
         staging.mkdir()
         try:
@@ -167,6 +173,29 @@ class WeightsStore:
                     raise WeightsConflictError(
                         f"{role} {version} already exists: publish under another version name") from None
 
+    def sweep_staging(self, role: str, older_than_s: float = STALE_STAGING_S) -> list[str]:
+        """Remove what a crashed publisher, installer or pointer writer left in the role's directory (hidden
+        `.publish-*`, `.install-*` directories, `.current-*` files) last modified more than `older_than_s` ago
+        -> their names. Younger ones may belong to a publish in flight in another process and are kept."""
+        role_dir = self._role_dir(role)
+        if not role_dir.is_dir():
+            return []
+        cutoff, removed = time.time() - older_than_s, []
+        for entry in role_dir.iterdir():
+            if not entry.name.startswith(STAGING_PREFIXES):
+                continue
+            try:
+                if entry.lstat().st_mtime >= cutoff:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            except FileNotFoundError:  # another process swept or renamed it first
+                continue
+            removed.append(entry.name)
+        return removed
+
     def _auto_numbers(self, role: str) -> list[int]:
         return [int(m.group(1)) for name in os.listdir(self._role_dir(role)) if (m := _AUTO_VERSION.fullmatch(name))]
 
@@ -191,6 +220,7 @@ class WeightsStore:
             raise CorruptWeightsError(f"{manifest.role} {manifest.version}: the copy has files "
                                       f"{sorted(files)}, the manifest lists {sorted(manifest.files)}")
         role_dir.mkdir(parents=True, exist_ok=True)
+        self.sweep_staging(manifest.role)
         staging = role_dir / f".install-{secrets.token_hex(8)}"
         staging.mkdir()
         try:

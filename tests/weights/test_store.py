@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -220,3 +222,25 @@ def test_interrupted_publish_leaves_nothing_behind(store, checkpoint):
     assert sorted(p.name for p in (store.root / "drafter").iterdir()) == ["v1"]
     assert [m.version for m in store.versions("drafter")] == ["v1"] and store.current("drafter") is None
     assert store.publish("drafter", checkpoint.parent / "ckpt" / "sub").version == "v2"
+
+
+def test_what_a_crashed_publisher_left_is_swept_once_stale_and_a_publish_in_flight_is_kept(store, checkpoint):
+    store.publish("policy", checkpoint, make_current=True)
+    role_dir = store.root / "policy"
+    crashed = role_dir / ".publish-deadbeef00000000"           # a publisher killed mid-copy, hours ago
+    (crashed / "sub").mkdir(parents=True)
+    (crashed / "model.safetensors").write_bytes(b"half")
+    pointer = role_dir / ".current-0123456789abcdef"           # a pointer writer killed before its rename
+    pointer.write_text("v1\n")
+    in_flight = role_dir / ".install-feedface00000000"         # another process's install, just begun
+    in_flight.mkdir()
+    hours_ago = time.time() - 2 * 3600
+    for path in (crashed, pointer):
+        os.utime(path, (hours_ago, hours_ago))
+    assert store.publish("policy", checkpoint).version == "v2"  # a publish sweeps the stale ones first
+    assert sorted(p.name for p in role_dir.iterdir()) == [".install-feedface00000000", "current", "v1", "v2"]
+    assert store.current("policy") == "v1" and store.sweep_staging("policy") == []
+    assert store.sweep_staging("policy", older_than_s=-1) == [".install-feedface00000000"]
+    assert store.sweep_staging("drafter") == []                 # a role never published: nothing to read
+    for version in ("v1", "v2"):
+        store.verify("policy", version)

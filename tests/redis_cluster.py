@@ -103,13 +103,23 @@ class RedisCluster:
 
 
 def start_cluster(data: Path, masters: int = 3, replicas: int = 0) -> RedisCluster:
-    ports = [free_port() for _ in range(masters * (1 + replicas))]
+    # Each node's cluster bus port defaults to its port + 10000, which lands in the kernel's ephemeral range, where
+    # any outgoing connection may hold it and the node exits at start (CI: "waited 30 s for the Redis cluster to
+    # come up"): every node gets a bus port of its own from below that range too.
+    count = masters * (1 + replicas)
+    chosen: list[int] = []
+    while len(chosen) < 2 * count:
+        port = free_port()
+        if port not in chosen:
+            chosen.append(port)
+    ports, bus_ports = chosen[:count], dict(zip(chosen[:count], chosen[count:]))
     cluster = RedisCluster(f"redis://127.0.0.1:{ports[0]}")
     try:
         for port in ports:
             (data / str(port)).mkdir(parents=True)
             cluster.commands[port] = [
-                "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                "redis-server", "--port", str(port), "--cluster-port", str(bus_ports[port]), "--bind", "127.0.0.1",
+                "--cluster-enabled", "yes",
                 "--cluster-config-file", str(data / str(port) / "nodes.conf"), "--cluster-node-timeout",
                 str(NODE_TIMEOUT_MS),
                 # A replica elects itself however long ago it last heard from its master: Redis 7.0 may take a link

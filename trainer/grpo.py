@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specrl.errors import SpecrlError
-from specrl.models.calibration import NATIVE_BF16_FLAGS, cpu_info
+from specrl.models.calibration import cpu_info, resolve_dtype
 from specrl.models.llama import TensorSource, load_llama
 from specrl.trainer.checkpoint import save_checkpoint
 from specrl.weights import WeightsStore
@@ -204,8 +204,8 @@ def autocast_bf16(compute: str) -> bool:
     """`GRPOConfig.compute` -> whether the policy's forward and backward run under bfloat16 autocast."""
     if compute not in ("auto", "float32", "bfloat16"):
         raise SpecrlError(f"GRPO compute must be auto, float32 or bfloat16; got {compute!r}")
-    if compute == "auto":
-        return any(flag in cpu_info()[1] for flag in NATIVE_BF16_FLAGS)
+    if compute == "auto":  # the serving dtype's own rule: bfloat16 where the CPU has native bf16 dot products
+        return resolve_dtype("auto", cpu_info()[1])[0] == torch.bfloat16
     return compute == "bfloat16"
 
 

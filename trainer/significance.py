@@ -50,9 +50,7 @@ def paired_bootstrap(first: list[list[bool]], second: list[list[bool]], *, itera
     passed_first, parts = _passed_and_parts(first)
     passed_second, _ = _passed_and_parts(second)
     draws = _resamples(len(first), iterations, seed)
-    total = parts[draws].sum(axis=1)
-    total[total == 0] = 1.0
-    diffs = (passed_second[draws].sum(axis=1) - passed_first[draws].sum(axis=1)) / total
+    diffs = (passed_second[draws].sum(axis=1) - passed_first[draws].sum(axis=1)) / _resampled_parts(parts, draws)
     low, high = np.percentile(diffs, [2.5, 97.5])
     # resolution 1 / iterations: a p below it is reported as 1 / iterations, never as 0
     p = min(1.0, max(2 * min(float((diffs <= 0).mean()), float((diffs >= 0).mean())), 1 / iterations))
@@ -69,12 +67,17 @@ def bootstrap_rate(items: list[list[bool]], *, iterations: int = 10_000, seed: i
         raise ValueError("bootstrap_rate needs at least one item")
     passed, parts = _passed_and_parts(items)
     draws = _resamples(len(items), iterations, seed)
-    total = parts[draws].sum(axis=1)
-    total[total == 0] = 1.0
-    low, high = np.percentile(passed[draws].sum(axis=1) / total, [2.5, 97.5])
+    low, high = np.percentile(passed[draws].sum(axis=1) / _resampled_parts(parts, draws), [2.5, 97.5])
     return {"rate": float(passed.sum() / parts.sum()), "ci95": [float(low), float(high)], "items": len(items),
             "parts": int(parts.sum()), "iterations": iterations,
             "method": f"bootstrap over items (their parts kept together), {iterations} resamples, percentile CI"}
+
+
+def _resampled_parts(parts: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """Parts in each resample, float64 [iterations]; a resample of part-less items only counts as 1 (its rate 0)."""
+    total = parts[draws].sum(axis=1)
+    total[total == 0] = 1.0
+    return total
 
 
 def _passed_and_parts(items: list[list[bool]]) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ on a loopback port, wait until it answers /health, stop it with SIGTERM."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Iterator
 
 from specrl.errors import SpecrlError
+
+log = logging.getLogger("specrl.apps.launch")
 
 
 def free_port() -> int:
@@ -47,8 +50,14 @@ def shared_threads(threads: int, processes: int) -> int:
     else the cores split between them (at least 1). Each process defaulting to every core
     oversubscribes them, and OpenMP teams then wait on each other: `specrl rl` on 2 cores generated
     at 9.5 tok/s while the server, the drafter trainer and GRPO each ran 2 threads, against 150 tok/s
-    for the same server alone."""
-    return threads if threads > 0 else max(1, (os.cpu_count() or 1) // processes)
+    for the same server alone. Set threads that oversubscribe the cores are kept, with a warning: `--threads 2`
+    gave each of `specrl rl`'s three processes two threads on 2 cores and its rollouts ran 4.6x slower."""
+    cores = os.cpu_count() or 1
+    if threads > 0 and threads * processes > cores:
+        log.warning("--threads %d is per process: %d busy processes x %d threads = %d on %d cores oversubscribes "
+                    "them (leave --threads unset to split the cores)", threads, processes, threads,
+                    threads * processes, cores)
+    return threads if threads > 0 else max(1, cores // processes)
 
 
 def spawn(args: list[str], env: dict, log: Path, *, nice: int = 0) -> subprocess.Popen:

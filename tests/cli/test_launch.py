@@ -12,6 +12,16 @@ def test_busy_processes_split_the_cores_unless_threads_are_set():
     assert shared_threads(3, 2) == 3  # --threads sets each process's own
 
 
+def test_threads_that_oversubscribe_the_cores_are_kept_with_a_warning(caplog):
+    cores = os.cpu_count() or 1
+    with caplog.at_level("WARNING", logger="specrl.apps.launch"):
+        assert shared_threads(1, cores) == 1  # exactly the cores: no warning
+        assert caplog.records == []
+        assert shared_threads(2, cores) == 2
+    (record,) = caplog.records
+    assert "per process" in record.getMessage() and f"{2 * cores} on {cores} cores" in record.getMessage()
+
+
 def test_free_ports_are_bindable_and_below_the_ephemeral_range():
     """Outgoing connections take ephemeral ports: a server's port must not be one of them."""
     import socket

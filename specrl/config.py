@@ -39,10 +39,11 @@ class Settings:
     drafter: str = setting("day0", "drafter directory, 'day0' (an untrained EAGLE head built from the target) "
                                    "or 'none'")
     store: str = setting("", "weights store root (default <home>/weights)")
-    durable_store: str = setting("", "where a server pulls a version its own store lacks, after Ray's object store: "
-                                     "a directory or an fsspec URL (file://, s3:// with s3fs) of the trainer's "
-                                     "store (empty: none; `--ray` sets it to --store, each replica then keeps its "
-                                     "own copy)")
+    durable_store: str = setting("", "where a server pulls a version its own store lacks, after Ray's object store, "
+                                     "and where trainers copy each version they publish (when it is not their "
+                                     "--store): a directory or an fsspec URL (file://; s3://bucket/prefix with the "
+                                     "[s3] extra, AWS credentials and endpoint from the environment) (empty: none; "
+                                     "`--ray` sets it to --store, each replica then keeps its own copy)")
     threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     dtype: str = setting("auto", "serving weights: float32; float16 or bfloat16 (half the bytes a decode step "
                                  "streams; activations and KV cache stay float32; bfloat16 multiplies on the CPU's "

@@ -15,6 +15,7 @@ from specrl.trainer.drafter_trainer import DrafterTrainer
 from specrl.trainer.publisher import Publisher
 from specrl.weights import WeightsStore
 from specrl.weights.deployment import DeploymentVersions
+from specrl.weights.object_store import DurableStore
 
 GROUP = "drafter"
 
@@ -27,7 +28,8 @@ def build_trainer(settings: Settings) -> DrafterTrainer:
     reader = RecordReader(settings.redis_url, events_stream(settings.deployment), GROUP, settings.consumer)
     # Replicas follow the deployment's current drafter (announced on Redis): one this trainer does not know too.
     versions = DeploymentVersions(store, settings.redis_url, settings.deployment)
-    publisher = Publisher(store, servers, settings.admin_token, versions=versions)
+    durable = DurableStore(settings.durable_store) if settings.durable_store else None
+    publisher = Publisher(store, servers, settings.admin_token, versions=versions, durable=durable)
     state = settings.home / "trainer" / settings.deployment / f"{settings.consumer}.pt"
     return DrafterTrainer(settings, resolve_model(settings.model, settings.home), reader, store=store,
                           publisher=publisher, state_path=state, events=EventLog(settings.trainer_events_path))

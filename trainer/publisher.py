@@ -21,7 +21,7 @@ from pathlib import Path
 from specrl.models.drafter import EagleDrafter
 from specrl.weights import WeightsStore
 from specrl.weights.deployment import DeploymentVersions
-from specrl.weights.object_store import share
+from specrl.weights.object_store import DurableStore, share
 
 log = logging.getLogger("specrl.trainer")
 
@@ -41,9 +41,12 @@ class SwapReport:
 
 class Publisher:
     def __init__(self, store: WeightsStore, servers: list[str], admin_token: str, *, retries: int = 3,
-                 backoff_s: float = 0.5, timeout_s: float = 60.0, versions: DeploymentVersions | None = None):
-        """versions: the deployment's current versions, moved after the pushes (None: the pushes alone)."""
+                 backoff_s: float = 0.5, timeout_s: float = 60.0, versions: DeploymentVersions | None = None,
+                 durable: DurableStore | None = None):
+        """versions: the deployment's current versions, moved after the pushes (None: the pushes alone); durable:
+        where replicas without this store's disk pull from (`--durable-store`), written after each publish."""
         self.store, self.servers, self.admin_token, self.versions = store, servers, admin_token, versions
+        self.durable = durable
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
 
     def publish(self, drafter: EagleDrafter, *, parent: str | None, target_version: str, metrics: dict,
@@ -54,8 +57,8 @@ class Publisher:
             manifest = self.store.publish("drafter", tmp, version=version, parent=parent,
                                           target_version=target_version, metrics=metrics,
                                           architecture={"drafter": drafter.cfg.architecture})
-        if self.versions is not None:  # on Ray: into the object store too, where replicas pull it from
-            share(self.versions.deployment, self.store, "drafter", manifest.version)
+        if self.versions is not None:  # a durable store elsewhere, and on Ray the object store: replicas pull there
+            share(self.versions.deployment, self.store, "drafter", manifest.version, self.durable)
         return manifest.version
 
     def swap(self, version: str) -> SwapReport:

@@ -15,18 +15,19 @@ from pathlib import Path
 from specrl.errors import SpecrlError
 from specrl.trainer.grpo import GRPOConfig, GRPOTrainer, Rollout, StepStats
 from specrl.weights import WeightsStore
-from specrl.weights.object_store import share
+from specrl.weights.object_store import DurableStore, share
 
 START_TIMEOUT_S = 300.0  # placement, the process's start and the model's load
 
 
 class PolicyTrainerActor:
     def __init__(self, model_dir: Path, config: GRPOConfig, state_path: Path, store_root: Path, threads: int,
-                 deployment: str):
+                 deployment: str, durable_store: str = ""):
         import torch
 
         torch.set_num_threads(threads)
         self.store, self.deployment = WeightsStore(store_root), deployment
+        self.durable = DurableStore(durable_store) if durable_store else None
         self.trainer = GRPOTrainer(model_dir, config, state_path=state_path, store=self.store)
 
     def state(self) -> dict:
@@ -36,10 +37,11 @@ class PolicyTrainerActor:
         return self.trainer.step(rollouts), self.state()
 
     def publish(self, metrics: dict) -> tuple[str, dict]:
-        """-> (the version published, the state): into the store (the durable copy), then the object store, where
-        the replicas pull it from. FloatingPointError (non-finite weights) reaches the caller."""
+        """-> (the version published, the state): into the store, then the durable store (`--durable-store`, when
+        that is another place) and the object store, where the replicas pull it from. FloatingPointError
+        (non-finite weights) reaches the caller."""
         version = self.trainer.publish(self.store, metrics)
-        share(self.deployment, self.store, "policy", version)
+        share(self.deployment, self.store, "policy", version, self.durable)
         return version, self.state()
 
 
@@ -47,12 +49,12 @@ class RemotePolicyTrainer:
     """The RL loop's view of a PolicyTrainerActor: GRPOTrainer's interface, each call waited for."""
 
     def __init__(self, model_dir: Path, config: GRPOConfig, state_path: Path, store: WeightsStore, threads: int,
-                 deployment: str):
+                 deployment: str, durable_store: str = ""):
         import ray
 
         remote = ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=threads)(PolicyTrainerActor)
         self.store = store
-        self.actor = remote.remote(model_dir, config, state_path, store.root, threads, deployment)
+        self.actor = remote.remote(model_dir, config, state_path, store.root, threads, deployment, durable_store)
         try:
             self._state = ray.get(self.actor.state.remote(), timeout=START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:

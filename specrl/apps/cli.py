@@ -186,8 +186,9 @@ def export_drafter(args: argparse.Namespace) -> int:
 def register_train_drafter(sub) -> None:
     p = sub.add_parser("train-drafter", help="learn the drafter from the reward stream; publish and swap")
     p.add_argument("--server", action="append", default=None, help="replica URL to swap (repeatable)")
-    add_settings(p, *COMMON, "model", "draft_vocab_size", "redis_url", "store", "deployment", "objective", "lr",
-                 "train_records", "unroll_steps", "publish_every_s", "publish_every_steps", "publish_margin",
+    add_settings(p, *COMMON, "model", "draft_vocab_size", "redis_url", "store", "durable_store", "deployment",
+                 "objective", "lr", "train_records", "unroll_steps", "publish_every_s", "publish_every_steps",
+                 "publish_margin",
                  "canary_tokens", "canary_margin", "consumer",
                  "trainer_metrics_port", "trainer_events", "trainer_recompute", "trainer_max_age_s",
                  "trainer_replay_records", "record_features_max_bytes", aliases={"trainer_metrics_port": ["--metrics-port"]})

@@ -92,7 +92,8 @@ class Fleet:
     def policy_trainer(self, settings: Settings, model_dir: Path, config, state_path: Path, store):
         from specrl.trainer.ray_policy import RemotePolicyTrainer
 
-        return RemotePolicyTrainer(model_dir, config, state_path, store, self.threads(settings), settings.deployment)
+        return RemotePolicyTrainer(model_dir, config, state_path, store, self.threads(settings), settings.deployment,
+                                   settings.durable_store)
 
     def rollout_client(self, url: str, model: str, *, n: int, max_tokens: int):
         from specrl.trainer.ray_rollout import RemoteRolloutClient

@@ -8,7 +8,7 @@ KEEP versions of each role and drops older ones (Ray frees an object once nothin
 
 A replica that must serve a version it does not have (`pull`) takes it from, in order: its own store (verified),
 the object store (the registry's object, over Ray's transfer from the node that holds it), or the durable store
-(`DurableStore`: any fsspec URL, `file://` or a directory tested here; `s3://` through s3fs untested). Whatever it
+(`DurableStore`: any fsspec URL; tested: a directory, `file://`, `s3://` through s3fs against an S3 server). Whatever it
 got is written into its own store by `WeightsStore.install`, which checks every file against the publisher's
 manifest (names, bytes, sha256) before the version appears there: a copy that does not verify never reaches a
 swap. Every try is counted by source and outcome (`Pulls`). Needs the `[ray]` extra for the object store; the
@@ -76,17 +76,26 @@ def publish_object(deployment: str, store: WeightsStore, role: str, version: str
     ray.get(owner.register.remote(role, version, manifest.to_dict(), files))
 
 
-def share(deployment: str, store: WeightsStore, role: str, version: str) -> bool:
-    """`publish_object` when this process is on Ray (a trainer actor), else nothing -> whether it was shared. The
-    durable copy (`store`) is written already: a failure here is logged, and replicas fall back to it."""
-    if not _ray_on():
-        return False
-    try:
-        publish_object(deployment, store, role, version)
-        return True
-    except Exception as exc:  # noqa: BLE001 - any Ray error: the durable store still has the version
-        log.warning("event=object_publish_failed role=%s version=%s error=%r", role, version, exc)
-        return False
+def share(deployment: str, store: WeightsStore, role: str, version: str,
+          durable: "DurableStore | None" = None) -> list[str]:
+    """After a trainer published a version into its `store`: a copy into `durable` where that is another place
+    (an `s3://` bucket, say), then into the object store when this process is on Ray -> where it went ("durable",
+    "object"). A failure of either is logged, not raised: the trainer's store holds the version, and replicas try
+    the other source."""
+    shared = []
+    if durable is not None and not durable.is_store(store):
+        try:
+            durable.write_version(store, role, version)
+            shared.append("durable")
+        except WeightsError as exc:
+            log.warning("event=durable_publish_failed role=%s version=%s error=%s", role, version, exc)
+    if _ray_on():
+        try:
+            publish_object(deployment, store, role, version)
+            shared.append("object")
+        except Exception as exc:  # noqa: BLE001 - any Ray error: the durable store still has the version
+            log.warning("event=object_publish_failed role=%s version=%s error=%r", role, version, exc)
+    return shared
 
 
 class DurableStore:
@@ -98,9 +107,31 @@ class DurableStore:
 
         self.url = url.rstrip("/")
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+            # its own client: fsspec's instance cache would hand back one made under another endpoint or credentials
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)
         except (ImportError, ValueError) as exc:  # a protocol fsspec does not know, or its package missing
             raise InvalidRequestError(f"durable store {url!r}: {exc}", param="durable_store") from None
+
+    def is_store(self, store: WeightsStore) -> bool:
+        """Whether this URL is `store`'s own directory (nothing to copy)."""
+        local = "file" in ((self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol)
+        return local and Path(self.root).resolve() == store.root.resolve()
+
+    def write_version(self, store: WeightsStore, role: str, version: str) -> None:
+        """Copy a verified version of `store` here: its files, then its manifest. A reader takes a version by its
+        manifest, so it never meets one half-copied (and `install` checks every file anyway); one already here is
+        kept. Raises WeightsError when the store does not answer."""
+        manifest, files = store.read_version(role, version)
+        base = f"{self.root}/{role}/{version}"
+        try:
+            if self.fs.exists(f"{base}/{MANIFEST}"):
+                return
+            for name, data in files.items():  # a directory needs its parents made; an object store has none
+                self.fs.makedirs(f"{base}/{name}".rsplit("/", 1)[0], exist_ok=True)
+                self.fs.pipe_file(f"{base}/{name}", data)
+            self.fs.pipe_file(f"{base}/{MANIFEST}", json.dumps(manifest.to_dict(), indent=2).encode())
+        except Exception as exc:  # noqa: BLE001 - each backend has its own errors (s3fs: botocore's, not OSError)
+            raise WeightsError(f"{role} {version}: could not copy it to the durable store {self.url} ({exc})") from None
 
     def read_version(self, role: str, version: str) -> tuple[Manifest, dict[str, bytes]]:
         base = f"{self.root}/{role}/{version}"
@@ -109,7 +140,7 @@ class DurableStore:
             return manifest, {name: self.fs.cat_file(f"{base}/{name}") for name in manifest.files}
         except FileNotFoundError:
             raise WeightsNotFoundError(f"{role} {version} is not in the durable store {self.url}") from None
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - each backend has its own errors (s3fs: botocore's, not OSError)
             raise WeightsError(f"{role} {version}: the durable store {self.url} did not answer ({exc})") from None
 
 

@@ -34,10 +34,11 @@ redis:
 docs-check: $(STAMP)
 	$(BIN)/python tools/docs_check.py
 
+# --durations: the slowest tests in every log, to keep CI (a clean checkout's `make test`) under 25 minutes.
 test: $(STAMP) redis docs-check
 	$(BIN)/specrl fetch-model tiny-random
 	$(BIN)/specrl fetch-model smollm2-135m
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu" --durations=30 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/specrl bench engine

@@ -36,6 +36,7 @@ from specrl.serving.ray_router import PrefixAffinityRouter
 
 APP_NAME = "specrl"
 ROUTERS = ("prefix", "pow2")
+SCALE_DOWN_S = 600.0  # Serve's own default: a replica costs a model load; a lull shorter than this keeps it
 log = logging.getLogger(__name__)
 
 
@@ -111,15 +112,17 @@ async def _send_json(send, status: int, body: dict) -> None:
 
 
 def replica_application(settings: Settings, replicas: int, max_replicas: int | None = None, router: str = "prefix",
-                        target_ongoing_requests: float = 2.0):
+                        target_ongoing_requests: float = 2.0, scale_down_s: float | None = None):
     """-> the Serve application: the front and `replicas` replicas (`max_replicas` > replicas: autoscaled between
-    them on ongoing requests), routed by `router` (ROUTERS). Each replica computes with settings.threads torch
-    threads (>= 1) and asks Ray for as many CPUs."""
+    them on ongoing requests; a replica goes once the load has wanted fewer for `scale_down_s`, None: SCALE_DOWN_S),
+    routed by `router` (ROUTERS). Each replica computes with settings.threads torch threads (>= 1) and asks Ray for
+    as many CPUs."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)} (got {router!r})")
     threads = max(1, settings.threads)
     scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
-                                       "target_ongoing_requests": target_ongoing_requests}}
+                                       "target_ongoing_requests": target_ongoing_requests,
+                                       "downscale_delay_s": SCALE_DOWN_S if scale_down_s is None else scale_down_s}}
                if max_replicas and max_replicas > replicas else {"num_replicas": replicas})
     # A hot prefix may queue on its replica up to a full batch more than the shortest queue before it moves.
     routing = ({"request_router_config": RequestRouterConfig(request_router_class=PrefixAffinityRouter,
@@ -134,7 +137,7 @@ def replica_application(settings: Settings, replicas: int, max_replicas: int | N
 
 
 def run_replicas(settings: Settings, replicas: int, max_replicas: int | None = None, address: str | None = None,
-                 router: str = "prefix", cpus: float = 0):
+                 router: str = "prefix", cpus: float = 0, scale_down_s: float | None = None):
     """Join (address) or start a local Ray cluster, start Serve's proxy on settings.host:settings.port (on the head
     node only), deploy the front and the replicas and wait until Serve runs them all -> the proxy's URL. A local
     cluster is a new one (`address="local"`: never a cluster another program started on this machine, which
@@ -150,7 +153,8 @@ def run_replicas(settings: Settings, replicas: int, max_replicas: int | None = N
             ray.init(address="local", num_cpus=max(os.cpu_count() or 2, cpus), include_dashboard=False,
                      log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": settings.host, "port": settings.port})
-    serve.run(replica_application(settings, replicas, max_replicas, router), name=APP_NAME, route_prefix="/")
+    serve.run(replica_application(settings, replicas, max_replicas, router, scale_down_s=scale_down_s), name=APP_NAME,
+              route_prefix="/")
     return f"http://{settings.host}:{settings.port}"
 
 

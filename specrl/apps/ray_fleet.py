@@ -27,12 +27,15 @@ class Fleet:
     replicas: int
     max_replicas: int
     router: str = "prefix"
+    scale_down_s: float | None = None  # autoscaled: seconds the load must want fewer replicas before one goes (None:
+    # serving.ray_replicas.SCALE_DOWN_S)
     trainers: int = 1  # processes beside the replicas that compute with torch: the drafter trainer (+ GRPO in rl)
     trainer: object = None  # the drafter trainer actor, and the ref of its running loop
     trainer_run: object = None
 
     @classmethod
-    def check(cls, ray: str, replicas: int, max_replicas: int, router: str = "prefix", trainers: int = 1) -> "Fleet":
+    def check(cls, ray: str, replicas: int, max_replicas: int, router: str = "prefix", trainers: int = 1,
+              scale_down_s: float | None = None) -> "Fleet":
         import importlib.util
 
         if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
@@ -40,9 +43,11 @@ class Fleet:
         if replicas < 1 or (max_replicas and max_replicas < replicas):
             raise InvalidRequestError(f"--replicas must be >= 1 and --max-replicas 0 or >= --replicas (got {replicas}, "
                                       f"{max_replicas})")
+        if scale_down_s is not None and not scale_down_s >= 0:
+            raise InvalidRequestError(f"--scale-down-after must be >= 0 seconds (got {scale_down_s})")
         if ray not in ("local", "auto"):
             _check_answers(ray)
-        return cls(None if ray == "local" else ray, replicas, max_replicas, router, trainers)
+        return cls(None if ray == "local" else ray, replicas, max_replicas, router, scale_down_s, trainers)
 
     def threads(self, settings: Settings) -> int:
         """Torch threads of each replica and trainer: the cores shared among them."""
@@ -60,7 +65,8 @@ class Fleet:
 
         durable = settings.durable_store or str(settings.store_path)  # the trainers' store: the fallback
         return run_replicas(settings.replace(threads=self.threads(settings), durable_store=durable), self.replicas,
-                            self.max_replicas or None, self.address, self.router, cpus=self.cpus(settings))
+                            self.max_replicas or None, self.address, self.router, cpus=self.cpus(settings),
+                            scale_down_s=self.scale_down_s)
 
     def start_trainer(self, settings: Settings) -> None:
         from specrl.trainer.ray_actor import start_trainer_actor

@@ -51,6 +51,9 @@ def register(sub) -> None:
     p.add_argument("--replicas", type=int, default=2, help="with --ray: serving replicas")
     p.add_argument("--max-replicas", type=int, default=0,
                    help="with --ray: autoscale between --replicas and this many on ongoing requests (0: fixed)")
+    p.add_argument("--scale-down-after", type=float, default=None, metavar="SECONDS",
+                   help="with --max-replicas: remove a replica once the load has wanted fewer for this long "
+                        "(default 600, Ray Serve's; each replica added later loads the model again)")
     p.add_argument("--router", choices=("prefix", "pow2"), default="prefix",
                    help="with --ray: prefix sends a request to the replica that computed its context's start last "
                         "(its prefix cache pays); pow2 is Ray Serve's default (power of two choices on queues)")
@@ -59,7 +62,8 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    fleet = Fleet.check(args.ray, args.replicas, args.max_replicas, args.router) if args.ray else None
+    fleet = (Fleet.check(args.ray, args.replicas, args.max_replicas, args.router,
+                         scale_down_s=args.scale_down_after) if args.ray else None)
     run_up(settings_from(args).with_env_redis(), demo=args.demo, duration_s=args.duration, users=args.users,
            fleet=fleet)
     return 0

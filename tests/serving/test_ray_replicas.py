@@ -3,8 +3,9 @@ two tiny-model replicas behind Serve's proxy and the front answer the official `
 under their own replica names to the deployment's stream, and a drafter announced as the deployment's `current`
 (no replica pushed) reaches both; routed by prefix, every request of a tenant (a long system prompt of its own)
 meets the replica that served the tenant first (Serve's default router beside it: tests/bench/test_bench_fleet.py);
-without a shared disk, replicas pull versions into their own stores; with --max-replicas, load adds a replica. Slow:
-one Ray cluster for the module (~5 s), each deployment ~10 s, a scale-up ~45 s."""
+without a shared disk, replicas pull versions into their own stores; with --max-replicas, load adds a replica and
+its fall removes it, no request failing. Slow: one Ray cluster for the module (~5 s), each deployment ~10 s, a
+scale-up and down ~80 s."""
 
 from __future__ import annotations
 
@@ -188,37 +189,60 @@ def test_routed_by_prefix_a_tenant_meets_one_replica_and_tenants_spread(ray_clus
     assert len(set.union(*seen)) == 2, seen  # a new prefix goes to the replica owning the fewest
 
 
-def test_under_load_serve_adds_a_replica_up_to_max_replicas(ray_cluster, home, tmp_path):
-    """`--max-replicas`: one replica, eight clients keeping requests in flight (ongoing requests far above the
-    target of 2 a replica); Serve's autoscaler starts a second replica, which takes new prompts (routed by prefix,
-    a prompt no replica has served goes to the one holding the fewest) and writes records of its own."""
+def test_serve_adds_a_replica_under_load_and_removes_it_when_the_load_falls(ray_cluster, home, tmp_path):
+    """`--max-replicas`, `--scale-down-after`: one replica, eight clients keeping requests in flight (ongoing
+    requests far above the target of 2 a replica); Serve's autoscaler starts a second replica, which takes new
+    prompts (routed by prefix, a prompt no replica has served goes to the one holding the fewest) and writes
+    records of its own. Then seven clients stop: one request at a time wants one replica, and Serve removes the
+    second, draining it, while the last client's requests go on: none fails, before, during or after."""
     import threading
 
     import httpx
+    from ray import serve
 
-    from specrl.serving.ray_replicas import run_replicas
+    from specrl.serving.ray_replicas import APP_NAME, run_replicas
 
     deployment = f"test-ray-{uuid.uuid4().hex[:10]}"
     settings = Settings.load(home=home, model="tiny-random", redis_url=REDIS_URL, deployment=deployment,
                              store=str(tmp_path / "store"), port=free_port(), threads=1, drafter="none")
-    stop, failures = threading.Event(), []
+    heavy, light, failures, answered = threading.Event(), threading.Event(), [], []
 
-    def client(url: str) -> None:
+    def client(url: str, stop: threading.Event) -> None:
         with httpx.Client(timeout=60) as http:
             while not stop.is_set():
                 body = {"model": "tiny-random", "prompt": f"Tell me {uuid.uuid4().hex}", "max_tokens": 128}
-                if http.post(url + "/v1/completions", json=body).status_code != 200:
-                    failures.append(body)
+                response = http.post(url + "/v1/completions", json=body)
+                (answered if response.status_code == 200 else failures).append((time.monotonic(), response))
+
+    def running() -> int:
+        states = serve.status().applications[APP_NAME].deployments["server"].replica_states
+        return states.get("RUNNING", 0)
+
     try:
-        url = run_replicas(settings, replicas=1, max_replicas=2)
-        clients = [threading.Thread(target=client, args=(url,), daemon=True) for _ in range(8)]
+        url = run_replicas(settings, replicas=1, max_replicas=2, scale_down_s=2.0)
+        clients = [threading.Thread(target=client, args=(url, heavy if i else light), daemon=True) for i in range(8)]
         for thread in clients:
             thread.start()
         deadline = time.monotonic() + 150  # Serve scales up after 30 s above its target, then starts the replica
         while len({r.replica for r in records(deployment)}) < 2 and time.monotonic() < deadline:
             time.sleep(1.0)
         replicas = {r.replica for r in records(deployment)}
+        heavy.set()
+        # the load's average over Serve's 30 s look-back falls below one replica's target, then 2 s more
+        deadline = time.monotonic() + 120
+        while running() > 1 and time.monotonic() < deadline:
+            time.sleep(1.0)
+        scaled_down_at, after = time.monotonic(), running()
+        while not any(at > scaled_down_at for at, _ in answered) and time.monotonic() < scaled_down_at + 30:
+            time.sleep(0.2)  # the last client is answered by the replica left
+        light.set()
+        for thread in clients:
+            thread.join(timeout=60)
     finally:
-        stop.set()
+        heavy.set()
+        light.set()
         tear_down(deployment)
-    assert len(replicas) == 2 and failures == []
+    assert len(replicas) == 2, replicas
+    assert after == 1
+    assert any(at > scaled_down_at for at, _ in answered)
+    assert failures == [], [(r.status_code, r.text[:200]) for _, r in failures]

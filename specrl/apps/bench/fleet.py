@@ -26,6 +26,9 @@ learn (`--scenarios learn`, `--minutes`): one replica, then `--replicas` replica
 trainer actor, under the same traffic; the drafter each then serves measured on held-out prompts
 (`specrl.apps.bench.fleet_learning`).
 
+autoscale (`--scenarios autoscale`): one deployment autoscaled between 1 and `--replicas` replicas under a load that
+rises and falls; replicas running, tokens/s and latency over time (`specrl.apps.bench.fleet_autoscale`).
+
 Each replica computes with `--threads` threads (0: one). The Ray cluster: `--nodes 2` starts a head and a second
 node with CPUs for their share of the replicas on this machine
 (`ray.cluster_utils.Cluster`: separate raylets and object stores, one replica per node), `--nodes 1` one local
@@ -45,7 +48,7 @@ from specrl.config import Settings
 from specrl.errors import InvalidRequestError
 
 ROUTERS = ("prefix", "pow2")
-SCENARIOS = ("routing", "publish", "restart", "learn")
+SCENARIOS = ("routing", "publish", "restart", "learn", "autoscale")
 TARGET = 0.5  # TTFT p50 routed by prefix over Serve's default, at most (issue 46)
 
 
@@ -97,7 +100,7 @@ def run_fleet_bench(settings: Settings, replicas: int, nodes: int, tenants: int,
     settings = settings.replace(threads=max(1, settings.threads), redis_url="", follow_current=False)
     machine = machine_record()
     cluster = _start_ray(nodes, replicas, settings.threads, trainer="learn" in scenarios)
-    runs, prompts, lifecycle, learning = [], None, None, None
+    runs, prompts, lifecycle, learning, autoscale = [], None, None, None, None
     try:
         for repeat in range(repeats if "routing" in scenarios else 0):
             for router in ROUTERS if repeat % 2 == 0 else ROUTERS[::-1]:
@@ -119,13 +122,17 @@ def run_fleet_bench(settings: Settings, replicas: int, nodes: int, tenants: int,
             from specrl.apps.bench.fleet_learning import run_learning
 
             learning = run_learning(settings.replace(redis_url=redis_url), replicas, users, minutes)
+        if "autoscale" in scenarios:
+            from specrl.apps.bench.fleet_autoscale import run_autoscale
+
+            autoscale = run_autoscale(settings, replicas)
     finally:
         _stop_ray(cluster)
     result = {"bench": "fleet", "machine": machine, "model": settings.model, "replicas": replicas, "nodes": nodes,
               "threads_per_replica": settings.threads, "max_batch": settings.max_batch, "tenants": tenants,
               "system_tokens": SYSTEM_TOKENS, "rounds": rounds, "users": users, "runs": runs,
               "ttft_p50_prefix_over_pow2": _ratio(runs), "target": TARGET, "lifecycle": lifecycle,
-              "learning": learning}
+              "learning": learning, "autoscale": autoscale}
     result["met"] = result["ttft_p50_prefix_over_pow2"] is not None and result["ttft_p50_prefix_over_pow2"] <= TARGET
     save_report(result, "bench-fleet", out_dir, settings.home, _print_table, _plot)
     return result
@@ -280,6 +287,26 @@ def _print_table(result: dict) -> None:
         ratio = learning["gain_fleet_over_single"]
         print(f"gain over day 0, fleet over one replica: {ratio:.2f}x" if ratio is not None else
               "gain over day 0, fleet over one replica: the single replica's drafter did not gain")
+    scaling = result.get("autoscale")
+    if scaling:
+        _print_autoscale(scaling)
+
+
+def _print_autoscale(scaling: dict) -> None:
+    def fmt(value, spec=".1f", unit=""):
+        return "-" if value is None else f"{value:{spec}}{unit}"
+
+    print(f"autoscale: 1 to {scaling['max_replicas']} replicas, {scaling['users']} users then 1, "
+          f"{scaling['max_tokens']} tokens a request, scale-down delay {scaling['scale_down_s']:g} s")
+    print(f"{'t s':>6} {'phase':<5} {'replicas':>8} {'tok/s':>7} {'p50 s':>6} {'failed':>6}")
+    for w in scaling["windows"]:
+        print(f"{w['t']:>6.0f} {w['phase']:<5} {fmt(w['replicas'], 'd'):>8} {w['tokens_per_s']:>7.1f} "
+              f"{fmt(w['latency_p50_s'], '.2f'):>6} {w['failed']:>6}")
+    print(f"load -> {scaling['max_replicas']} replicas running: {fmt(scaling['seconds_to_scale_up'], '.0f', ' s')}; "
+          f"calm -> 1: {fmt(scaling['seconds_to_scale_down'], '.0f', ' s')}; tok/s under the load with 1 replica "
+          f"{fmt(scaling['load_tokens_per_s_one_replica'])}, with {scaling['max_replicas']} "
+          f"{fmt(scaling['load_tokens_per_s_all_replicas'])} ({fmt(scaling['all_over_one'], '.2f', 'x')}); "
+          f"requests {scaling['requests']}, failed {scaling['failed_requests']}")
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -290,9 +317,9 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    life, learning = result.get("lifecycle"), result.get("learning")
+    life, learning, scaling = result.get("lifecycle"), result.get("learning"), result.get("autoscale")
     panels = [p for p in ("routing" if result["runs"] else None, "publish" if life else None,
-                          "learn" if learning else None) if p]
+                          "learn" if learning else None, "autoscale" if scaling else None) if p]
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(7 * max(1, len(panels)), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         if panel == "routing":
@@ -309,6 +336,8 @@ def _plot(result: dict, path: Path) -> None:
             ax.set_ylabel("share of requests")
             ax.set_title(f"{result['replicas']} replicas on Ray Serve, {result['tenants']} tenants x "
                          f"{result['system_tokens']}-token system prompts")
+        elif panel == "autoscale":
+            _plot_autoscale(ax, scaling)
         elif panel == "learn":
             labels = ["day 0"] + [f"{run['replicas']} replica{'s' if run['replicas'] > 1 else ''}"
                                   for run in learning["runs"]]
@@ -334,3 +363,21 @@ def _plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_autoscale(ax, scaling: dict) -> None:
+    """Tokens/s per window (bars, shaded where the load is on) and the replicas running (a step line, right axis)."""
+    windows = scaling["windows"]
+    width = scaling["window_s"]
+    ax.bar([w["t"] + width / 2 for w in windows], [w["tokens_per_s"] for w in windows], width=width * 0.9,
+           color=["C0" if w["phase"] == "load" else "C2" for w in windows], label="tokens/s (blue: load, green: calm)")
+    ax.set_xlabel("seconds from the load's start")
+    ax.set_ylabel("tokens/s served")
+    right = ax.twinx()
+    counts = [w["replicas"] or 0 for w in windows]
+    right.step([w["t"] for w in windows] + [windows[-1]["t"] + width], counts + counts[-1:], where="post",
+               color="C3", label="replicas running")
+    right.set_ylabel("replicas running", color="C3")
+    right.set_ylim(0, scaling["max_replicas"] + 0.5)
+    right.set_yticks(range(scaling["max_replicas"] + 1))
+    ax.set_title(f"autoscaling: {scaling['users']} users, then 1 (scale-down delay {scaling['scale_down_s']:g} s)")

@@ -39,6 +39,15 @@ def test_the_timeline_gives_the_scaling_times_and_the_rate_each_fleet_served_und
     assert windows[7]["failed"] == 1 and windows[7]["tokens_per_s"] == pytest.approx(5.0)
 
 
+def test_the_window_where_the_load_falls_counts_for_neither_phase():
+    requests, samples, start = timeline()
+    report = summarize(requests, samples, start, start + 27, start + 50, max_replicas=2, users=8,
+                       reached={"load": True, "calm": True})
+    assert [w["phase"] for w in report["windows"]] == ["load"] * 5 + ["switch"] + ["calm"] * 4
+    assert report["load_tokens_per_s_all_replicas"] == pytest.approx(20.0)  # windows 10-25 only
+    assert report["seconds_to_scale_down"] == 15  # from the calm's start (t=27) to one replica (t=42)
+
+
 def test_a_fleet_that_never_scaled_reports_no_ratio():
     requests, samples, start = timeline()
     flat = [(t, 1) for t, _ in samples]

@@ -370,7 +370,8 @@ def _plot_autoscale(ax, scaling: dict) -> None:
     windows = scaling["windows"]
     width = scaling["window_s"]
     ax.bar([w["t"] + width / 2 for w in windows], [w["tokens_per_s"] for w in windows], width=width * 0.9,
-           color=["C0" if w["phase"] == "load" else "C2" for w in windows], label="tokens/s (blue: load, green: calm)")
+           color=[{"load": "C0", "calm": "C2"}.get(w["phase"], "grey") for w in windows],
+           label="tokens/s (blue: load, green: calm)")
     ax.set_xlabel("seconds from the load's start")
     ax.set_ylabel("tokens/s served")
     right = ax.twinx()

@@ -5,8 +5,8 @@ target of 2 a replica), with a short scale-down delay (SCALE_DOWN_S) so a run se
 USERS_PER_REPLICA x `--replicas` clients (twice the target on the full fleet: it holds), each sending its next completion (MAX_TOKENS new tokens, greedy, EOS ignored) when the last is answered,
 until Serve has run the larger fleet for STEADY_S; then calm: one client, until the fleet is back to one replica
 and STEADY_S more (each phase at most PHASE_S). Every second the replicas Serve reports running; every request its
-start, end, tokens and status. The timeline is cut into WINDOW_S windows: tokens/s served, requests' latency,
-replicas running. Reported: the seconds from the load's start to the second replica running and from the calm's
+start, end, tokens and status. The timeline is cut into WINDOW_S windows (load, calm, or the one switching):
+tokens/s served, requests' latency, replicas running. Reported: the seconds from the load's start to the second replica running and from the calm's
 start to one; tokens/s under the same load with one replica running (after the first window) and with all of
 them; requests failed (none should: a replica being removed drains first).
 """
@@ -62,7 +62,8 @@ def summarize(requests: list[tuple[float, float, int, bool]], samples: list[tupl
     while at < ended:
         done = [r for r in requests if at <= r[1] < at + WINDOW_S]
         running = [n for t, n in samples if at <= t < at + WINDOW_S]
-        windows.append({"t": round(at - started, 1), "phase": "load" if at < calm_at else "calm",
+        phase = "load" if at + WINDOW_S <= calm_at else "calm" if at >= calm_at else "switch"  # switch: both
+        windows.append({"t": round(at - started, 1), "phase": phase,
                         "tokens_per_s": sum(r[2] for r in done if r[3]) / WINDOW_S,
                         "latency_p50_s": percentile([r[1] - r[0] for r in done if r[3]], 50) if done else None,
                         "failed": sum(not r[3] for r in done), "replicas": max(running) if running else None})

@@ -45,6 +45,9 @@ class Fleet:
                                       f"{max_replicas})")
         if scale_down_s is not None and not scale_down_s >= 0:
             raise InvalidRequestError(f"--scale-down-after must be >= 0 seconds (got {scale_down_s})")
+        if scale_down_s is not None and not max_replicas > replicas:
+            raise InvalidRequestError("--scale-down-after needs --max-replicas above --replicas (a fixed fleet never "
+                                      "scales down)")
         if ray not in ("local", "auto"):
             _check_answers(ray)
         return cls(None if ray == "local" else ray, replicas, max_replicas, router, scale_down_s, trainers)

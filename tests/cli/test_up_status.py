@@ -41,6 +41,9 @@ def test_up_ray_refuses_a_fleet_it_cannot_make_in_one_line(capsys):
     assert main(["up", "--ray", "--max-replicas", "3", "--scale-down-after", "-1", "--duration", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--scale-down-after must be >= 0 seconds (got -1.0)" in err[0]
+    assert main(["up", "--ray", "--replicas", "2", "--scale-down-after", "60", "--duration", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--scale-down-after needs --max-replicas above --replicas" in err[0]
     for command in ("up", "rl"):  # an address with no Ray cluster behind it, and one that is no address
         for address, message in ((f"127.0.0.1:{free_port()}", "no Ray cluster answers there"),
                                  ("nowhere", "give HOST:PORT")):

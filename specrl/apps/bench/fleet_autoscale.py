@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 
+from specrl.apps.bench.fleet_clients import FleetClients
 from specrl.config import Settings
 
 SCALE_DOWN_S = 10.0  # Serve removes a replica after the load has wanted fewer for this long
@@ -33,7 +34,7 @@ def run_autoscale(settings: Settings, max_replicas: int) -> dict:
     users = USERS_PER_REPLICA * max_replicas
     print(f"bench fleet: autoscale: 1 replica, up to {max_replicas}, {users} users then 1", flush=True)
     url = run_replicas(settings, 1, max_replicas, router="prefix", scale_down_s=SCALE_DOWN_S)
-    clients, replicas = _Clients(url, settings.model), _ReplicaCount()
+    clients, replicas = FleetClients(url, settings.model, MAX_TOKENS), _ReplicaCount()
     try:
         replicas.start()
         started = time.monotonic()
@@ -132,41 +133,3 @@ class _ReplicaCount:
             self.running = running
             self.samples.append((time.monotonic(), running))
             self._stop.wait(1.0)
-
-
-class _Clients:
-    """Closed-loop clients, as many as `set_users` says; every request's (start, end, tokens, ok)."""
-
-    def __init__(self, url: str, model: str):
-        self.url, self.model = url, model
-        self.requests: list[tuple[float, float, int, bool]] = []
-        self._threads: list[tuple[threading.Thread, threading.Event]] = []
-
-    def set_users(self, users: int) -> None:
-        while len(self._threads) > users:
-            thread, stop = self._threads.pop()
-            stop.set()
-            thread.join(timeout=120)
-        while len(self._threads) < users:
-            stop = threading.Event()
-            thread = threading.Thread(target=self._user, args=(len(self._threads), stop), daemon=True)
-            self._threads.append((thread, stop))
-            thread.start()
-
-    def _user(self, user: int, stop: threading.Event) -> None:
-        import httpx
-
-        i = 0
-        with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
-                i += 1
-                body = {"model": self.model, "prompt": f"User {user}, question {i}: tell me about the number {i}.",
-                        "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-                began = time.monotonic()
-                try:
-                    response = http.post(self.url + "/v1/completions", json=body)
-                    ok = response.status_code == 200
-                    tokens = response.json()["usage"]["completion_tokens"] if ok else 0
-                except httpx.HTTPError:
-                    ok, tokens = False, 0
-                self.requests.append((began, time.monotonic(), tokens, ok))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import uuid
 
+from specrl.apps.bench.fleet_clients import FleetClients
 from specrl.config import Settings
 
 PUBLISH_GAP_S = 3.0
@@ -42,7 +42,7 @@ def run_lifecycle(settings: Settings, replicas: int, users: int, publishes: int,
     try:
         print(f"bench fleet: publish/restart: starting {replicas} replicas", flush=True)
         url = run_replicas(settings, replicas, router="prefix")
-        traffic = _Traffic(url, settings.model, users).start()
+        traffic = FleetClients(url, settings.model, max_tokens=4).set_users(users)
         names = stream.wait_for(lambda recs: len({r.replica for r in recs}) >= replicas, "every replica's records")
         target = load_llama(resolve_model(settings.model, settings.home))
         versions = DeploymentVersions(store, redis_server.url, deployment)
@@ -69,7 +69,7 @@ def run_lifecycle(settings: Settings, replicas: int, users: int, publishes: int,
         return result
     finally:
         if traffic is not None:
-            traffic.stop()
+            traffic.set_users(0)
         stop_replicas(shutdown_ray=False)
         owner = registry(deployment)
         if owner is not None:
@@ -168,41 +168,3 @@ class _Stream:
 
     def delete(self) -> None:
         self.client.delete(self.key)
-
-
-class _Traffic:
-    """`users` clients sending short completions until stopped; counts answered and failed requests."""
-
-    def __init__(self, url: str, model: str, users: int):
-        self.url, self.model, self.users = url, model, users
-        self.ok = self.failed = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._user, args=(i,), daemon=True) for i in range(users)]
-
-    def start(self) -> "_Traffic":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
-
-    def _user(self, user: int) -> None:
-        import httpx
-
-        i = 0
-        while not self._stop.is_set():
-            i += 1
-            body = {"model": self.model, "prompt": f"User {user} asks question {i}: what is {i} + {user}?",
-                    "max_tokens": 4, "temperature": 0}
-            try:
-                ok = httpx.post(self.url + "/v1/completions", json=body, timeout=60).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                self.ok += 1
-            else:
-                self.failed += 1
-                time.sleep(0.2)

@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from specrl.engine.swap import check_swap
+from specrl.engine.swap import MODES, check_swap
 from specrl.errors import AuthError, ForbiddenError, InvalidRequestError, SwapInProgressError
 from specrl.serving.swaps import serving_versions, swap_to
 from specrl.weights.store import ROLES
 
 
 class SwapBody(BaseModel):
-    role: str
-    version: str
-    mode: str = "drain"
+    role: Literal[ROLES]
+    version: str = Field(min_length=1)
+    mode: Literal[MODES] = "drain"  # a policy swap's; a drafter swap is immediate
 
 
 class RollbackBody(BaseModel):
-    role: str
-    mode: str = "drain"
+    role: Literal[ROLES]
+    mode: Literal[MODES] = "drain"
 
 
 def require_admin(request: Request) -> None:

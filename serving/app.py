@@ -27,9 +27,12 @@ from specrl.serving.error_handlers import BodyLimit, install_error_handlers
 from specrl.serving.follower import Follower
 from specrl.serving.loop import ServingLoop
 from specrl.serving.metrics import ServerMetrics
+from specrl.serving.protocol import ERRORS, ERRORS_AS_JSON
 from specrl.weights import WeightsStore
 from specrl.weights.deployment import DeploymentVersions
 from specrl.weights.object_store import DurableStore
+
+_EMPTY_200 = {200: {"description": "alive (an empty body)", "content": {}}, **ERRORS_AS_JSON}
 
 
 def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> FastAPI:
@@ -45,7 +48,8 @@ def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> Fa
         await asyncio.to_thread(loop.stop, settings.shutdown_timeout)
         versions.close()
 
-    app = FastAPI(title="specrl", lifespan=lifespan)
+    # Every 4xx is OpenAI-shaped (protocol.ERRORS), never FastAPI's 422, and the document says so.
+    app = FastAPI(title="specrl", version=__version__, lifespan=lifespan, responses=ERRORS)
     app.state.loop, app.state.settings, app.state.store = loop, settings, store
     app.state.durable = DurableStore(settings.durable_store) if settings.durable_store else None
     app.state.metrics, app.state.swap_lock = ServerMetrics(loop), asyncio.Lock()
@@ -71,7 +75,8 @@ def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> Fa
                 "drafter_version": loop.drafter_version, **state}
         return body if state["ready"] else JSONResponse(body, status_code=503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping", response_class=Response, operation_id="ping_get", responses=_EMPTY_200)
+    @app.post("/ping", response_class=Response, operation_id="ping_post", responses=_EMPTY_200)
     async def ping():
         """vLLM's (SageMaker's) liveness probe: 200 with an empty body, 503 when the engine died."""
         return Response(status_code=200 if loop.alive else 503)
@@ -80,7 +85,7 @@ def create_app(loop: ServingLoop, settings: Settings, store: WeightsStore) -> Fa
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=ERRORS_AS_JSON)
     async def prometheus():
         return PlainTextResponse(generate_latest(app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

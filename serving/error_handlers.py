@@ -30,7 +30,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = field_path(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             message, loc = "the request body is not valid JSON", []
         elif first.get("type") == "extra_forbidden":
@@ -48,6 +48,22 @@ def install_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body("internal error; see the server log", "server_error"), status_code=500)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def field_path(loc) -> list[str]:
+    """pydantic's error location -> the field path a person reads (`messages.0.role`): without the leading
+    `body`, the tags pydantic gives the members of a union (`prompt.list[constrained-int]`, `stop.str`) and dict
+    keys (a logit_bias key is data, not a field)."""
+    path = []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(str(part))
+        elif part != "body" and part.isidentifier() and part not in _TYPE_TAGS:
+            path.append(part)
+    return path
 
 
 class BodyLimit:

@@ -15,11 +15,13 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 
+from specrl.engine.validation import check_token_ids
 from specrl.errors import InvalidRequestError, ModelNotFoundError, SpecrlError
 from specrl.serving.generation import ChoiceStream, run_choices
-from specrl.serving.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest, error_body, fingerprint, new_id, now, usage)
+from specrl.serving.protocol import (GENERATION, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                     DetokenizeRequest, TokenizeRequest, error_body, fingerprint, new_id, now, usage)
 from specrl.speculation.quantities import SpecCounts
 
 router = APIRouter(prefix="/v1")
@@ -34,12 +36,14 @@ async def models(request: Request):
                                         "max_model_len": settings.max_seq_len, "permission": []}]}
 
 
-@router.post("/completions")
+@router.post("/completions", responses=GENERATION)
 async def completions(body: CompletionRequest, request: Request):
     _check_model(request, body.model)
     body.check_supported()
     tokenizer = request.app.state.loop.tokenizer
     prompts = _completion_prompts(body.prompt, tokenizer)
+    for ids in prompts:  # before `echo` decodes them
+        check_token_ids(ids, request.app.state.loop.vocab_size, "prompt")
     ranked = body.samples > body.n  # best_of: rank the samples by their log-probs
     logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
     streams = []
@@ -52,7 +56,7 @@ async def completions(body: CompletionRequest, request: Request):
     return await _respond(request, body, streams, "text_completion", keep=body.n if ranked else None)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=GENERATION)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_model(request, body.model)
     body.check_supported()
@@ -88,10 +92,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     """vLLM's: token ids -> their text."""
     if body.model is not None:
         _check_model(request, body.model)
-    vocab = request.app.state.loop.vocab_size
-    outside = [t for t in body.tokens if not 0 <= t < vocab]
-    if outside:
-        raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {outside[:5]}", param="tokens")
+    check_token_ids(body.tokens, request.app.state.loop.vocab_size, "tokens")
     return {"prompt": request.app.state.loop.tokenizer.decode(body.tokens)}
 
 
@@ -102,10 +103,16 @@ def _check_model(request: Request, name: str) -> None:
 
 
 def _chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True) -> list[int]:
-    """Chat messages -> prompt token ids through the model's chat template."""
+    """Chat messages -> prompt token ids through the model's chat template. What the template refuses (a
+    conversation it cannot render: its own `raise_exception`, an order of roles it does not take) is the
+    caller's input, so a 400 naming `messages`, never a 500."""
     turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                              return_dict=False))
+    try:
+        return list(tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                  return_dict=False))
+    except (ValueError, TemplateError) as exc:
+        raise InvalidRequestError(f"the model's chat template cannot render these messages: {exc}",
+                                  param="messages") from None
 
 
 def _prompt_text(prompt, i: int, ids: list[int], tokenizer, params) -> str:

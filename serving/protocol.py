@@ -10,15 +10,29 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from specrl.errors import InvalidRequestError
-from specrl.speculation.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from specrl.speculation.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 8
+MAX_STOP = 4  # stop strings a request may give (OpenAI's bound)
 IGNORED = ("user", "metadata", "store")
+
+# What the OpenAPI document states is what validation enforces (issue 60): the ranges of the sampling parameters
+# are pydantic constraints, so the document carries them. Where a rule is checked after parsing, with a message
+# that names the offending key (logit_bias: `_logit_bias` and SamplingParams.check; text-only content parts:
+# ChatMessage.text), the document states the same rule through WithJsonSchema.
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+LogitBias = Annotated[dict[str, float], WithJsonSchema({
+    "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}})]
+TextParts = Annotated[list[dict], WithJsonSchema({
+    "type": "array", "items": {"type": "object", "required": ["type"],
+                               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}})]
 
 
 class StreamOptions(BaseModel):
@@ -34,17 +48,17 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)], None] = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: LogitBias | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's extra sampling parameters
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)  # and at most max_tokens
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -58,10 +72,8 @@ class _Common(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return stops
+        """One string or a list of them -> a list (the type's constraints checked each)."""
+        return [v] if isinstance(v, str) else (v or [])
 
     def check_supported(self) -> None:
         """Raise InvalidRequestError for what this server does not do (the ranges: SamplingParams.check)."""
@@ -96,7 +108,9 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)],
+                  Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False  # the prompt's text before each choice's text
@@ -127,7 +141,7 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[dict], None] = None
+    content: Union[str, TextParts, None] = None  # a missing content reads as empty text
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text parts are supported
@@ -141,6 +155,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    # OpenAI's rule, stated where a client generator reads it: top_logprobs needs logprobs=true (check_supported)
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -166,7 +184,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)  # the chat template refuses an empty conversation
     add_special_tokens: bool = True  # prompts only (the chat template adds its own)
     add_generation_prompt: bool = True  # messages only
     return_token_strs: bool = False
@@ -194,6 +212,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def fingerprint(target_version: str, drafter_version: str) -> str:
     """The versions that produced a response, in OpenAI's `system_fingerprint` field."""
     return f"specrl:target={target_version};drafter={drafter_version}"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every 4xx this server sends (and a 503 while the engine is down) has this body."""
+
+    error: ErrorDetail
+
+
+ERRORS = {"4XX": {"model": ErrorResponse, "description": "the request was refused; `error.param` names the field"}}
+# The same for a route whose own answer is not JSON (/metrics, /ping): FastAPI would state its errors in that type.
+ERRORS_AS_JSON = {"4XX": {"description": ERRORS["4XX"]["description"],
+                          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}
+# The generation routes: JSON, or server-sent events with `stream: true`; 503 while the engine is down.
+GENERATION = {200: {"description": "the completion (JSON), or its chunks as server-sent events with `stream: true`",
+                    "content": {"text/event-stream": {}}},
+              503: {"model": ErrorResponse, "description": "the engine is not running (stopping, or failed)"}}
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible API against a live server of each backend, through the official `openai` client."""
 
+import copy
 import json
 import time
 
@@ -8,6 +9,9 @@ import openai
 import pytest
 import redis
 
+from specrl.errors import InvalidRequestError
+from specrl.serving.openai_api import _chat_prompt
+from specrl.serving.protocol import ChatMessage
 from specrl.telemetry import SegmentRecord
 from tests.backends import API_HEADERS, API_KEY, LONG_ANSWER, REDIS_URL
 
@@ -288,6 +292,8 @@ def test_best_of_returns_the_n_most_likely_samples(client, model, backend):
     ({"best_of": 1, "n": 2}, "best_of"),
     ({"best_of": 3, "stream": True}, "best_of"),
     ({"best_of": 9, "n": 1}, "best_of"),
+    ({"prompt": [5, -1], "echo": True}, "prompt"),  # echo decoded the ids before they were checked: a 500 (issue 60)
+    ({"prompt": [[5], []]}, "prompt"),
 ])
 def test_bad_completion_requests_name_the_parameter(live, model, body, param):
     resp = httpx.post(live.url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 4, **body},
@@ -307,6 +313,9 @@ def test_bad_completion_requests_name_the_parameter(live, model, body, param):
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 150}}, "logit_bias"),
     ({"stop_token_ids": [10 ** 9]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ""}, "stop"),
 ])
 def test_bad_sampling_parameters_get_400_naming_them(live, model, body, param):
     resp = httpx.post(live.url + "/v1/chat/completions", json={"model": model, "messages": MESSAGES, **body},
@@ -340,11 +349,24 @@ def test_tokenize_and_detokenize_match_what_generation_reads(live, client, model
     ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"messages": [], "add_generation_prompt": True}, 400, "messages"),  # the fuzzer's 500 (issue 60)
+    ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
     ("/tokenize", {"model": "gpt-4", "prompt": "hi"}, 404, None),
 ])
 def test_bad_tokenizer_requests(live, route, body, status, param):
     resp = httpx.post(live.url + route, json=body)
     assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400_naming_messages(tokenizer):
+    """The template's own `raise_exception` (many templates refuse an order of roles) is the caller's input."""
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('start with a user turn') }}" \
+                           "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert _chat_prompt([ChatMessage(role="user", content="hi")], strict)
+    with pytest.raises(InvalidRequestError, match="start with a user turn") as refused:
+        _chat_prompt([ChatMessage(role="assistant", content="hi")], strict)
+    assert refused.value.param == "messages"
 
 
 def test_version_and_ping(live):

@@ -52,6 +52,7 @@
 #include <unistd.h>
 
 #include "_cpu_half.h"
+#include "_cpu_peak.h"
 #include "_cpu_quant.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for an extended state component (AMX tiles) */
@@ -950,6 +951,15 @@ static PyObject *py_path(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(name);
 }
 
+static PyObject *py_peak_macs(PyObject *self, PyObject *args) {
+    const char *name;
+    int threads, repeats = 3;
+    if (!PyArg_ParseTuple(args, "si|i", &name, &threads, &repeats)) return NULL;
+    double rate;
+    Py_BEGIN_ALLOW_THREADS rate = peak_macs(name, threads, repeats);
+    Py_END_ALLOW_THREADS return PyFloat_FromDouble(rate);
+}
+
 static PyObject *py_release_threads(PyObject *self, PyObject *noargs) {
     /* omp_pause_soft frees the calling thread's pool (OpenMP 5.0; libgomp since GCC 9): its
      * workers exit and the runtime counts them no more. -1: called inside a parallel region. */
@@ -978,6 +988,9 @@ static PyMethodDef methods[] = {
      "argmax_rows(out, x, rows, V, portable=False): out[r] (int64) = first index of the max of row r of x (float32)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(out_ptr, x_ptr, w_ptr, rows, H, eps): out = x / sqrt(mean(x^2) + eps) * w, float32 rows of H"},
+    {"peak_macs", py_peak_macs, METH_VARARGS,
+     "peak_macs(instruction, threads, repeats=3) -> multiply-adds a second of a loop of that instruction on that many "
+     "threads (avx2_fma, avx512_fma, avx2_int8, avx512_vnni, avx512_bf16; _cpu_peak.c); -1 where the CPU lacks it"},
     {"release_threads", py_release_threads, METH_NOARGS,
      "release_threads() -> 0 once the calling thread's OpenMP worker threads have exited (-1 inside a parallel region)"},
     {NULL, NULL, 0, NULL},

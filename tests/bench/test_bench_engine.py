@@ -65,13 +65,20 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
     ms = {(r["batch"], r["tokens"]): r["median_ms"] for r in curve["rows"] if r["dtype"] == "float32"}
     assert curve["ratios"]["float32"]["b1_t5_over_b1_t1"] == pytest.approx(ms[1, 5] / ms[1, 1])
     assert (tmp_path / "forward-curve.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert curve["read_gb_s"] == bandwidth["read_gb_s"] and set(curve["work"]) == set(dtypes)
+    for r in curve["rows"]:  # each point against its floors (floors.py; the arithmetic: tests/bench/test_floors.py)
+        work = curve["work"][r["dtype"]]
+        assert r["instruction"] == work["instruction"] and r["bytes_floor_ms"] > 0
+        assert (r["compute_floor_ms"] is None) == (work["instruction"] not in curve["peak_macs_per_s"])
+        assert r["floor_ms"] == max(r["bytes_floor_ms"], r["compute_floor_ms"] or 0)
+        assert r["of_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
 
     png = tmp_path / "bench-engine.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE
     height, width, _ = matplotlib.image.imread(png).shape  # decodes the whole image
     assert height > 100 and width > 100
     out = capsys.readouterr().out
-    assert "native_plain" in out and str(tmp_path / "bench-engine.json") in out
+    assert "native_plain" in out and str(tmp_path / "bench-engine.json") in out and "x of its floor" in out
 
 
 def test_ratios_vllm_over_native_only_where_both_ran():

@@ -26,7 +26,9 @@ for tokens/s and TTFT. Besides throughput the report holds:
 - the forward cost curve: ms of one target forward (all layers + head) by batch size B and
   positions per row T, per dtype (`forward_curve.py`; table, forward-curve.png): what the
   controller's drafting decisions rest on (a verify over T positions, or B rows, should cost about
-  one position);
+  one position); each point against its two floors, measured here (`floors.py`: the bytes it must read over
+  the read bandwidth, its multiply-adds over the measured peak of the instruction its kernel multiplies
+  with), printed as "x of its floor" and drawn at B=1;
 - native float16 weights (float32 compute, the stream kernel) where the CPU has avx2+fma+f16c,
   bfloat16 where it has native bf16 dot products (avx512_bf16 / AMX), and int8 weights (a scale per
   group of 32) and q4 (Q4_1) where the stream kernel is built, beside float32, with the CPU flags that
@@ -56,6 +58,7 @@ import torch
 from specrl.apps.bench import llamacpp
 from specrl.apps.bench.backends import (LLAMACPP, NATIVE, VLLM, add_backends_flag, bench_threads, cpu_record, parse_backends,
                                         ratio, read_bandwidth_gb_s, settings_record, vllm_version)
+from specrl.apps.bench.floors import add_floors, forward_work, peak_rates, print_floors
 from specrl.apps.bench.forward_curve import forward_cost_curve, forward_split, plot_forward_curve
 from specrl.apps.bench.vllm_engine import DTYPE_SUFFIX, VLLM_PLAIN, VLLM_SPEC, vllm_rows
 from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
@@ -173,7 +176,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
          backends: tuple[str, ...], dtypes: tuple[str, ...], llamacpp_bin: str | None) -> dict:
     drafter = spec_drafter(settings)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes), threads=threads, drafter=drafter)
-    rows, curve, splits, memory, weight_bytes = [], [], [], None, {}
+    rows, curve, splits, memory, weight_bytes, work = [], [], [], None, {}, {}
     # llama.cpp's binaries first (a build shows progress; a failed one is one line and no rows)
     llamacpp_builds = llamacpp.builds(settings.home, llamacpp_bin, cpu_info()[1]) if LLAMACPP in backends else []
     baseline = _rss()  # python, torch and transformers imported, no model yet
@@ -195,6 +198,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
         _progress(f"forward cost curve ({dtype})")
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
         splits += [s for s in [forward_split(spec.target, dtype)] if s is not None]
+        work[dtype] = forward_work(spec.target, dtype)
         if memory is None:  # the first dtype's (float32 unless --dtypes says otherwise): the memory limit is its
             memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
                                                 "native_spec_drafter": spec.draft_cache}, baseline)
@@ -202,6 +206,9 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
         del plain, spec
         gc.collect()
     bandwidth = read_bandwidth_gb_s()
+    _progress("the floors: peak multiply-add rates of the kernels' instructions")
+    peaks = peak_rates((w["instruction"] for w in work.values()), threads)
+    curve = add_floors(curve, work, bandwidth, peaks)
     rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
     if VLLM in backends:
         rows += vllm_rows(settings, drafter, prompts, batch_sizes, new_tokens, threads, out / "vllm-logs",
@@ -213,7 +220,8 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
                               "builds": {b.name: str(b.bin_dir) for b in llamacpp_builds},
                               "prompt_tokens": llamacpp.mean_prompt_tokens(prompts),
                               "decode_ratios": llamacpp.llamacpp_ratios(rows, batch_sizes)}
-    result["forward_curve"] = {"rows": curve, "ratios": curve_ratios(curve)}
+    result["forward_curve"] = {"rows": curve, "ratios": curve_ratios(curve), "read_gb_s": bandwidth,
+                               "peak_macs_per_s": peaks, "work": work}
     result["forward_split"] = splits
     _print_table(result)
     _write_report(result, out)
@@ -467,6 +475,8 @@ def _print_table(result: dict) -> None:
     print("B=1 share of the bound: " + ", ".join(f"{k} {v:.0%}" for k, v in bw["achieved_over_bound_batch1"].items()))
     for dtype, ratios in result.get("forward_curve", {}).get("ratios", {}).items():
         print(f"forward cost curve ({dtype}): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    if "forward_curve" in result:
+        print_floors(result["forward_curve"])
     for split in result.get("forward_split", []):
         print(f"B=1 forward ({split['dtype']}): {split['forward_ms']:.2f} ms, of which matmuls {split['matmul_ms']:.2f} ms "
               f"({split['weight_bytes'] / 1e6:.0f} MB at {split['matmul_gb_s']:.1f} GB/s), outside them "

@@ -72,7 +72,7 @@ def forward_split(model, dtype_label: str, repeats: int = 30, context: int = CON
 
 def plot_forward_curve(rows: list[dict], path: Path) -> Path:
     """rows from forward_cost_curve (one or more dtypes) -> a PNG at `path`: median ms against
-    rows B*T, one line per (dtype, B)."""
+    rows B*T, one line per (dtype, B), and each dtype's floor at B=1 (floors.add_floors) where the rows carry it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,8 +83,11 @@ def plot_forward_curve(rows: list[dict], path: Path) -> Path:
     for dtype_label, batch in dict.fromkeys((r["dtype"], r["batch"]) for r in rows):
         line = sorted((r for r in rows if r["dtype"] == dtype_label and r["batch"] == batch), key=lambda r: r["rows"])
         style = styles.setdefault(dtype_label, ["-", "--", ":", "-."][len(styles) % 4])
-        ax.plot([r["rows"] for r in line], [r["median_ms"] for r in line], style, marker="o", ms=3,
-                label=f"{dtype_label} B={batch}")
+        drawn = ax.plot([r["rows"] for r in line], [r["median_ms"] for r in line], style, marker="o", ms=3,
+                        label=f"{dtype_label} B={batch}")
+        if batch == 1 and all("floor_ms" in r for r in line):  # floors.add_floors's, at B=1: a thin line below
+            ax.plot([r["rows"] for r in line], [r["floor_ms"] for r in line], ":", color=drawn[0].get_color(),
+                    lw=1, label=f"{dtype_label} floor (B=1)")
     ax.set_xlabel("rows per forward (B x T)")
     ax.set_ylabel("forward ms (median)")
     ax.set_title(f"target forward cost, context {rows[0]['context']}, {rows[0]['threads']} threads")

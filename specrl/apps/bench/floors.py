@@ -1,0 +1,99 @@
+"""The floors under a forward's cost, measured on the machine itself: what no kernel can beat here.
+
+For one target forward over B sequences x T positions each (a point of the forward cost curve):
+- bytes floor: the bytes the forward must read, over the machine's measured read bandwidth
+  (`backends.read_bandwidth_gb_s`): every streamed weight once (`Llama.streamed_weight_bytes`: the layers'
+  linears and the output head) plus each sequence's KV cache up to the curve's context (B x context x the
+  cache's bytes a position);
+- compute floor: the multiply-adds of the forward's linears (B x T rows x every streamed weight's
+  in x out; attention's few are left out) over the measured peak rate of the instruction the dtype's kernel
+  multiplies with, on the same threads (`_cpu_peak.c`: a loop of that instruction alone).
+The floor is the larger of the two; a point reads as its median over the floor ("1.8x of its floor").
+At one row the bytes floor decides; past a few rows the compute floor does, and how fast it rises with rows
+says how much room a kernel has to make extra positions nearly free.
+
+The instruction is the one `_cpu_kernels.path` says the dtype's weights take on this CPU: float32 and
+float16 weights FMA (AVX2 or AVX-512), int8 and q4 integer dot products (AVX2's VPMADDUBSW + VPMADDWD or
+AVX-512 VNNI's VPDPBUSD), bfloat16 VDPBF16PS. AMX's tiles have no loop here yet: a bfloat16 forward on an
+AMX CPU gets the bytes floor only (`instruction` None), as does any weight outside the stream kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specrl.models.linear import KIND, PackedLinear, cpu_kernels
+
+# _cpu_kernels.path's answer for a weight kind -> the instruction _cpu_peak.c times
+_FLOAT_KINDS, _INT_KINDS = (KIND[torch.float32], KIND[torch.float16]), (KIND[torch.int8], KIND[torch.uint8])
+_INSTRUCTION = {("avx2", _FLOAT_KINDS): "avx2_fma", ("avx512f", _FLOAT_KINDS): "avx512_fma",
+                ("avx2", _INT_KINDS): "avx2_int8", ("avx512_vnni", _INT_KINDS): "avx512_vnni",
+                ("avx512_bf16", (KIND[torch.bfloat16],)): "avx512_bf16"}
+
+
+def kernel_instruction(model) -> str | None:
+    """The instruction the model's streamed weights multiply with on this CPU (the first linear's path; every
+    linear of one dtype takes the same), or None where the peak of that path is not measured here."""
+    weight = model.streamed_weights()[0]
+    if cpu_kernels is None or not isinstance(weight, PackedLinear):
+        return None
+    kind = KIND[weight.stored.dtype]
+    path = cpu_kernels.path(weight.out_features, kind, weight.in_features)
+    return next((name for (p, kinds), name in _INSTRUCTION.items() if p == path and kind in kinds), None)
+
+
+def forward_work(model, dtype_label: str) -> dict:
+    """What a forward of `model` must read and compute, per dtype: {dtype, weight_bytes, kv_bytes_per_position,
+    macs_per_row, instruction}."""
+    cfg = model.cfg
+    shapes = [w.shape if isinstance(w, PackedLinear) else tuple(w.shape) for w in model.streamed_weights()]
+    element = torch.empty((), dtype=model.dtype).element_size()  # the KV cache holds the model's dtype
+    return {"dtype": dtype_label, "weight_bytes": model.streamed_weight_bytes(),
+            "kv_bytes_per_position": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element,
+            "macs_per_row": sum(out * inp for out, inp in shapes), "instruction": kernel_instruction(model)}
+
+
+def peak_rates(instructions, threads: int) -> dict[str, float]:
+    """instruction -> multiply-adds a second on `threads` threads (best of 3 runs of >= 20 ms), for each name
+    this CPU runs."""
+    rates = {}
+    for name in dict.fromkeys(i for i in instructions if i):
+        rate = cpu_kernels.peak_macs(name, threads) if cpu_kernels is not None else -1.0
+        if rate > 0:
+            rates[name] = rate
+    return rates
+
+
+def add_floors(points: list[dict], work: dict[str, dict], read_gb_s: float, peaks: dict[str, float]) -> list[dict]:
+    """Curve points (forward_curve.forward_cost_curve's rows) -> the same with bytes_floor_ms, compute_floor_ms
+    (None where the instruction's peak is not measured), floor_ms and of_floor (median_ms / floor_ms)."""
+    out = []
+    for p in points:
+        w = work[p["dtype"]]
+        nbytes = w["weight_bytes"] + p["batch"] * p["context"] * w["kv_bytes_per_position"]
+        bytes_ms = nbytes / (read_gb_s * 1e9) * 1e3
+        peak = peaks.get(w["instruction"])
+        compute_ms = p["rows"] * w["macs_per_row"] / peak * 1e3 if peak else None
+        floor_ms = max(bytes_ms, compute_ms or 0.0)
+        out.append({**p, "bytes_floor_ms": bytes_ms, "compute_floor_ms": compute_ms, "floor_ms": floor_ms,
+                    "of_floor": p["median_ms"] / floor_ms, "instruction": w["instruction"]})
+    return out
+
+
+def print_floors(curve: dict) -> None:
+    """The forward cost curve against its floors, one block per dtype: ms and x of the floor per (B, T), and
+    which floor decides (b: bytes, c: compute)."""
+    peaks = curve.get("peak_macs_per_s", {})
+    print(f"floors: read {curve['read_gb_s']:.1f} GB/s; peaks " +
+          (", ".join(f"{name} {rate / 1e9:.0f} G multiply-adds/s" for name, rate in peaks.items()) or "none measured"))
+    for dtype in dict.fromkeys(p["dtype"] for p in curve["rows"]):
+        points = [p for p in curve["rows"] if p["dtype"] == dtype and "floor_ms" in p]
+        if not points:
+            continue
+        print(f"forward ms ({dtype}, {points[0]['instruction'] or 'no peak'}), x of its floor "
+              f"(b: bytes decide, c: compute):")
+        for batch in dict.fromkeys(p["batch"] for p in points):
+            cells = [f"T={p['tokens']} {p['median_ms']:.2f} {p['of_floor']:.2f}x"
+                     f"{'c' if (p['compute_floor_ms'] or 0) > p['bytes_floor_ms'] else 'b'}"
+                     for p in points if p["batch"] == batch]
+            print(f"  B={batch}: " + ", ".join(cells))

@@ -21,8 +21,8 @@ nothing stays cached between two uses of one weight). The fastest of a few calls
 only ever add time.
 
 Measurements are cached in `<directory>/linears-<dtype>-<threads>t.json` under a key (CPU
-model, the flags that matter, torch version, torch threads, dtype, whether the stream kernel is
-built, this module's schema): a
+model, the flags that matter, torch version, torch threads, dtype, the stream kernel's build (a digest of
+its shared library: a changed kernel is measured again), this module's schema): a
 restart reads them back; a file with another key (another machine or torch) is measured again
 and overwritten. One file per thread count, so processes calibrated with different thread
 counts (a 1-thread benchmark beside a 2-thread server) do not overwrite each other's.
@@ -31,6 +31,7 @@ counts (a 1-thread benchmark beside a 2-thread server) do not overwrite each oth
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import math
 import os
@@ -58,6 +59,14 @@ KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq
 DEFAULT_L3 = 32 << 20
 RING_BYTES = 512 << 20  # the ring's size where twice the L3 is more (`ring_copies`)
 MAX_RING_COPIES = 64
+
+
+def stream_kernel_digest() -> str | None:
+    """The built stream kernel's identity: the first 16 hex digits of its shared library's sha256 (None: not
+    built). Calibrations measured with another build are measured again."""
+    if cpu_kernels is None:
+        return None
+    return hashlib.sha256(Path(cpu_kernels.__file__).read_bytes()).hexdigest()[:16]
 
 
 def cpu_info() -> tuple[str, frozenset[str]]:
@@ -181,7 +190,7 @@ class Calibration:
         name = next(k for k, v in DTYPES.items() if v == torch_dtype)
         key = {"schema": SCHEMA, "cpu": model, "flags": sorted(flags & set(KEY_FLAGS)), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "dtype": name, "buckets": list(BUCKETS), "calls": sorted(CALLS),
-               "stream_kernel": cpu_kernels is not None}
+               "stream_kernel": stream_kernel_digest()}
         path = Path(directory) / f"linears-{name}-{torch.get_num_threads()}t.json"
         shapes = {}
         if path.is_file():

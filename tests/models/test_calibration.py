@@ -97,7 +97,7 @@ def test_measurements_are_cached_and_reused(tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("cpu", "Some Other CPU"), ("flags", ["avx512_bf16"]), ("torch", "0.0.1"),
-                                         ("threads", 97), ("schema", -1)])
+                                         ("threads", 97), ("schema", -1), ("stream_kernel", "another build")])
 def test_a_cache_from_another_machine_is_ignored_and_rebuilt(tmp_path, field, value):
     Calibration.open(tmp_path, "float32").choose(SHAPE)
     path = tmp_path / "linears-float32-1t.json"

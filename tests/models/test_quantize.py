@@ -82,7 +82,7 @@ def test_blocked_q4_round_trip_and_rows(shape):
 
 @pytest.mark.parametrize("fmt", [Int8Weight, Q4Weight])
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (48, 64), (40, 32)])
-@pytest.mark.parametrize("rows", [1, 5, 7, 12, 13, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 17])  # every register tile's row count on each path
 def test_stream_matches_the_reference_bit_for_bit_on_every_path(fmt, shape, rows):
     """int8 and 4-bit weights times x quantized to int8 per group (integer sums, then one fused multiply-add a
     group in one order): the best path (AVX-512 VNNI here, or AVX2), AVX2 forced and portable C give the same
@@ -101,6 +101,25 @@ def test_stream_matches_the_reference_bit_for_bit_on_every_path(fmt, shape, rows
         assert torch.equal(forced[:, : shape[0]], got), path
     for row in {0, rows // 2, rows - 1}:  # each row as a one-row call computes it: bit for bit
         assert torch.equal(packed(x[row:row + 1].contiguous())[0], got[row])
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_the_largest_4bit_sums_stay_exact(rows):
+    """AVX2 sums a group's 4-bit products in int16 before widening (_cpu_quant.c): at most 8 x 2 x 15 x 127 =
+    30,480 a lane. Every weight at the top of its group's range (q = 15, one at 0 so the range is not empty) times
+    every x at +-127 after rounding: the sums at that bound give the portable path's bits, in both signs."""
+    w = torch.ones(64, 128)
+    w[:, ::GROUP] = 0.0  # each group's minimum: q = 0 there, 15 everywhere else
+    q = Q4Weight.from_float(w)
+    assert int((q.q == 15).sum()) == 64 * 124 and int((q.q == 0).sum()) == 64 * 4
+    packed = PackedLinear(q, "blocked", (1,), ("stream",))
+    x = torch.ones(rows, 128)
+    x[rows // 2:] = -1.0
+    got = packed(x)
+    forced = torch.empty(rows, 64)
+    cpu_kernels.gemm(forced.data_ptr(), x.data_ptr(), packed.stored.data_ptr(), rows, 128, 64, KIND[packed.dtype], 1, 1)
+    assert torch.equal(forced, got)
+    torch.testing.assert_close(got, matmul_reference(x, q), atol=1e-4, rtol=1e-5)
 
 
 def test_activations_are_quantized_per_group_of_32():

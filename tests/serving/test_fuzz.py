@@ -42,7 +42,7 @@ def test_no_generated_request_gets_a_server_error(home, tmp_path):
              "--max-examples", str(EXAMPLES_PER_ROUTE), "--seed", str(SEED), "--request-timeout", "60",
              "--generation-database", "none", "--no-color", "-H", f"Authorization: Bearer {ADMIN_TOKEN}",
              "--report-junit-path", str(junit)],
-            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+            env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache and crash files there
     finally:
         server.stop()
     output = run.stdout + run.stderr

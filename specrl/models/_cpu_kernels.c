@@ -397,12 +397,13 @@ static blocks_fn pick(int64_t N, const char **name, int64_t *group) {
 }
 
 /* 0 on success, -1 when memory ran out (bfloat16 weights round x into a buffer first). */
+/* prefetch: int8 and 4-bit weights' software prefetch distance in bytes (0: none; _cpu_quant.c) */
 static int gemm(const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N, int kind, int threads,
-                int path) {
+                int path, int64_t prefetch) {
     if (kind == W_BF16) return gemm_bf16(x, (const uint16_t *)w, out, M, K, N, threads, path);
     if (kind >= W_I8)
         return gemm_quant(x, w, out, M, K, N, kind, threads,
-                          path == PATH_PORTABLE ? QUANT_PORTABLE : path == PATH_AVX2 ? QUANT_AVX2 : QUANT_BEST);
+                          path == PATH_PORTABLE ? QUANT_PORTABLE : path == PATH_AVX2 ? QUANT_AVX2 : QUANT_BEST, prefetch);
     const char *name;
     int64_t group;
     blocks_fn run = pick(N, &name, &group);
@@ -418,17 +419,19 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     unsigned long long x, w, out;
     long long M, K, N;
     int kind, threads, path = PATH_BEST;
-    if (!PyArg_ParseTuple(args, "KKKLLLii|i", &out, &x, &w, &M, &K, &N, &kind, &threads, &path)) return NULL;
+    long long prefetch = 0;
+    if (!PyArg_ParseTuple(args, "KKKLLLii|iL", &out, &x, &w, &M, &K, &N, &kind, &threads, &path, &prefetch))
+        return NULL;
     if (M < 0 || K < 1 || N < 0 || N % BLOCK || kind < W_F32 || kind > W_Q4 || (kind == W_BF16 && K % 2) ||
-        (kind >= W_I8 && K % 32) || threads < 1) {
+        (kind >= W_I8 && K % 32) || threads < 1 || prefetch < 0) {
         PyErr_SetString(PyExc_ValueError, "gemm: N must be a multiple of 16, K >= 1 (even for bfloat16, a multiple of "
-                                          "32 for int8 and 4-bit), kind 0-4, threads >= 1");
+                                          "32 for int8 and 4-bit), kind 0-4, threads >= 1, prefetch >= 0");
         return NULL;
     }
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = gemm((const float *)(uintptr_t)x, (const void *)(uintptr_t)w, (float *)(uintptr_t)out, M, K, N, kind,
-                  threads, path);
+                  threads, path, prefetch);
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -896,10 +899,11 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
     unsigned long long kc, vc, cos, sin, slots, positions, flat;
     long long H, Wq, I, N, T, nh, kvh, d, max_len;
     int kind, threads;
+    long long pf[4] = {0, 0, 0, 0}; /* the four linears' prefetch distances (qkv, o, gate_up, down) */
     double eps;
-    if (!PyArg_ParseTuple(args, "KKKKKKKiKKdLLLKKKKKKKLLLLLLi", &out, &x, &scratch, &w_qkv, &w_o, &w_gu, &w_down,
+    if (!PyArg_ParseTuple(args, "KKKKKKKiKKdLLLKKKKKKKLLLLLLi|LLLL", &out, &x, &scratch, &w_qkv, &w_o, &w_gu, &w_down,
                           &kind, &norm_in, &norm_post, &eps, &H, &Wq, &I, &kc, &vc, &cos, &sin, &slots, &positions,
-                          &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads))
+                          &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads, &pf[0], &pf[1], &pf[2], &pf[3]))
         return NULL;
     if (!attend_shape_ok(N, T, nh, kvh, d, max_len, threads) || H % BLOCK || Wq % BLOCK || (2 * I) % BLOCK ||
         Wq != (nh + 2 * kvh) * d || kind < W_F32 || kind > W_Q4 || (kind >= W_I8 && (H % 32 || I % 32 ||
@@ -921,14 +925,14 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
     int status = 0;
     Py_BEGIN_ALLOW_THREADS
     rms_norm(xin, (const float *)(uintptr_t)norm_in, h, N, H, eps);
-    status |= gemm(h, (const void *)(uintptr_t)w_qkv, qkv, N, H, Wq, kind, threads, PATH_BEST);
+    status |= gemm(h, (const void *)(uintptr_t)w_qkv, qkv, N, H, Wq, kind, threads, PATH_BEST, pf[0]);
     attend(&a, sequences, threads, 0);
-    status |= gemm(att, (const void *)(uintptr_t)w_o, o, N, nh * d, H, kind, threads, PATH_BEST);
+    status |= gemm(att, (const void *)(uintptr_t)w_o, o, N, nh * d, H, kind, threads, PATH_BEST, pf[1]);
     for (int64_t i = 0; i < N * H; i++) x1[i] = xin[i] + o[i];
     rms_norm(x1, (const float *)(uintptr_t)norm_post, h2, N, H, eps);
-    status |= gemm(h2, (const void *)(uintptr_t)w_gu, gu, N, H, 2 * I, kind, threads, PATH_BEST);
+    status |= gemm(h2, (const void *)(uintptr_t)w_gu, gu, N, H, 2 * I, kind, threads, PATH_BEST, pf[2]);
     silu_mul(gu, act, N, I, 0);
-    status |= gemm(act, (const void *)(uintptr_t)w_down, dn, N, I, H, kind, threads, PATH_BEST);
+    status |= gemm(act, (const void *)(uintptr_t)w_down, dn, N, I, H, kind, threads, PATH_BEST, pf[3]);
     for (int64_t i = 0; i < N * H; i++) y[i] = x1[i] + dn[i];
     Py_END_ALLOW_THREADS
     PyMem_Free(first);
@@ -968,7 +972,7 @@ static PyObject *py_release_threads(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS,
-     "gemm(out_ptr, x_ptr, w_ptr, M, K, N, kind, threads, path=0): out[M,N] = x[M,K] @ W^T, W blocked "
+     "gemm(out_ptr, x_ptr, w_ptr, M, K, N, kind, threads, path=0, prefetch=0): out[M,N] = x[M,K] @ W^T, W blocked "
      "[N/16, K, 16] (kind 0: float32, 1: float16), [N/16, K/2, 16, 2] (kind 2: bfloat16) or [N/16, K+K/8, 16] (kind 3: int8, "
      "groups of 32 inputs with their float32 scales) or bytes [N/16, 10 K] (kind 4: 4-bit, Q4_1's groups of 32 "
      "with float16 scales and minimums), both as _cpu_quant.c lays them out; path: 0 the best the CPU has, 1 "
@@ -980,8 +984,9 @@ static PyMethodDef methods[] = {
      "decode or verify step (float32; pointers as integers)"},
     {"layer", py_layer, METH_VARARGS,
      "layer(out, x, scratch, w_qkv, w_o, w_gate_up, w_down, kind, norm_in, norm_post, eps, H, Wq, I, k_cache, "
-     "v_cache, cos, sin, slots, positions, flat, N, T, NH, KVH, D, MAX, threads): one decoder layer of a "
-     "decode or verify step over blocked weights (float32 activations; pointers as integers)"},
+     "v_cache, cos, sin, slots, positions, flat, N, T, NH, KVH, D, MAX, threads, *prefetch): one decoder layer of a "
+     "decode or verify step over blocked weights (float32 activations; pointers as integers; prefetch: the four "
+     "linears' int8/4-bit prefetch distances in bytes, default 0)"},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(out_ptr, gate_up_ptr, rows, I, portable=False): out[r] = silu(gate_up[r, :I]) * gate_up[r, I:], float32"},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,

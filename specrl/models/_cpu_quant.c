@@ -51,8 +51,14 @@
  * rows on SmolLM2's matmuls (AVX-512 EPYC, 2 threads; q4 at one row 3.68 -> 2.81 ms): this path is not
  * compute-bound, its streams are what the memory system follows. */
 #define UNROLL _Pragma("GCC unroll 8") /* the tiles' loops, so that their sums stay in registers */
-/* No software prefetch: each block is one contiguous stream, which the hardware prefetcher follows; prefetching
- * 2 or 4 KB ahead made SmolLM2's matmuls 15-20% slower at 1 and 8 rows (AVX-512 EPYC, 2 threads). */
+/* Software prefetch, `prefetch` bytes ahead of each group (the caller's choice, 0: none): each block is one
+ * contiguous stream, which the hardware prefetcher follows, and whether running ahead of it pays differs by CPU:
+ * 2 or 4 KB ahead made SmolLM2's matmuls 15-20% slower at 1 and 8 rows on the AVX-512 EPYC and 10-15% faster at
+ * 1-5 rows on the AVX2 EPYC (2 threads). So the calibration measures both calls ("stream", "stream prefetch") per
+ * shape and row count on the machine itself (specrl.models.linear). */
+#define PREFETCH(grp, gb)                                                                                             \
+    if (a->prefetch)                                                                                                  \
+        for (size_t l = 0; l < (gb); l += 64) _mm_prefetch((const char *)(grp) + a->prefetch + l, _MM_HINT_T0);
 enum { KIND_I8 = 3, KIND_Q4 = 4 }; /* _cpu_kernels' weight kinds */
 
 static int has_vnni = 0, has_avx2 = 0;
@@ -73,6 +79,7 @@ typedef struct {
     float *sum;    /* [M, K / 32]: dx * sum(xq), the rounded x's sum (4-bit minimums' factor) */
     int32_t *qsum; /* [M, K / 32]: the group's xq summed (int8's offset on VNNI) */
     void *buffer;
+    int64_t prefetch; /* bytes ahead of a group to prefetch into L1 (0: none; PREFETCH says why) */
 } acts;
 
 /* One group of 32 x values -> its 32 xq, dx, dx * sum(xq) (the rounded x's sum) and sum(xq). Rounding is to
@@ -216,6 +223,7 @@ static void blocks_portable(const acts *a, const uint8_t *w, float *out, int64_t
         UNROLL for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();                                             \
         for (int64_t g = 0; g < G; g++) {                                                                             \
             const uint8_t *grp = w + ((size_t)b0 * G + g) * group_bytes(KIND);                                        \
+            PREFETCH(grp, group_bytes(KIND))                                                                          \
             __m512i s[MR];                                                                                            \
             SUMS(MR)                                                                                                  \
             if (KIND == KIND_I8) {                                                                                    \
@@ -310,6 +318,7 @@ __attribute__((target(AVX2))) static inline __m256i madd_u8s8(__m256i u, __m256i
         UNROLL for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                              \
         for (int64_t g = 0; g < G; g++) {                                                                             \
             const uint8_t *grp = w + ((size_t)b0 * G + g) * gb;                                                       \
+            PREFETCH(grp, gb)                                                                                         \
             __m256i s[MR][2];                                                                                         \
             SUMS(MR)                                                                                                  \
             UNROLL for (int h = 0; h < 2; h++) {                                                                      \
@@ -370,12 +379,13 @@ static void run_blocks(const tile_fn *tiles, const acts *a, const uint8_t *w, fl
 }
 
 int gemm_quant(const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N, int kind, int threads,
-               int force) {
+               int force, int64_t prefetch) {
     const int path = quant_path(force), i8 = kind == KIND_I8;
     acts a;
     if (quantize_rows(x, M, K, path == Q_VNNI ? quantize_group_avx512 : path == Q_AVX2 ? quantize_group_avx2 : quantize_group_c,
                       &a))
         return -1;
+    a.prefetch = prefetch;
     const tile_fn *tiles = path == Q_VNNI ? (i8 ? vnni_i8 : vnni_q4) : (i8 ? avx2_i8 : avx2_q4);
     /* blocks in static chunks, a few per thread: each thread streams one contiguous range */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)

@@ -263,9 +263,11 @@ class DecoderLayer(nn.Module):
         scratch = torch.empty(self.scratch_size(x.numel() // x.shape[-1])) if scratch is None else scratch
         out = torch.empty_like(x) if out is None else out
         k, v, slots, positions, flat, n, t, max_len = batch.kernel_args(index)
+        rows = x.numel() // x.shape[-1]
         cpu_kernels.layer(out.data_ptr(), x.data_ptr(), scratch.data_ptr(), *self.kernel_weights(), k, v,
                           cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots, positions, flat, n, t,
-                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, torch.get_num_threads())
+                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, torch.get_num_threads(),
+                          *(getattr(self, name).prefetch(rows) for name in self.LINEARS))
         return out
 
     def scratch_size(self, rows: int) -> int:

@@ -362,3 +362,34 @@ def test_a_prompt_computes_the_same_bits_alone_beside_a_longer_one_or_token_by_t
     for cache, slot in ((beside, 1), (stepped, 0)):
         assert torch.equal(cache.k[:, slot, :, :40], alone.k[:, 0, :, :40])
         assert torch.equal(cache.v[:, slot, :, :40], alone.v[:, 0, :, :40])
+
+
+class PrefetchPlan(ForcedPlan):
+    """Every layer linear on the stream kernel's prefetching call (int8 and 4-bit weights)."""
+
+    def choose(self, shape, *, head=False, tied=False):
+        choice = super().choose(shape, head=head, tied=tied)
+        if choice.storage != "blocked":
+            return choice
+        return Choice("blocked", choice.buckets, ("stream prefetch",) * len(choice.buckets), choice.slowdown,
+                      choice.expected_ms)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.quint4x2])
+def test_the_prefetching_call_computes_the_same_bits_in_the_layer_loop(tiny_dir, weight_dtype):
+    """"stream prefetch" only reads ahead: a forward through it, in the C layer loop, equals the plain stream
+    call's to the bit, and the layer loop passes each linear's distance."""
+    from specrl.models.linear import PREFETCH_BYTES
+
+    if cpu_kernels is None:
+        pytest.skip("the stream kernel is not built")
+    plain = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, weight_dtype))
+    ahead = load_llama(tiny_dir, plan=PrefetchPlan("blocked", torch.float32, weight_dtype))
+    layer = ahead.layers[0]
+    assert all(getattr(layer, n).streams(3) and getattr(layer, n).prefetch(3) == PREFETCH_BYTES for n in layer.LINEARS)
+    assert plain.layers[0].qkv.prefetch(3) == 0
+    tokens, slots, start = torch.tensor([[3, 17, 5], [9, 2, 40]]), torch.tensor([0, 1]), torch.tensor([4, 7])
+    with torch.inference_mode():
+        want = plain(tokens, slots, start, plain.new_cache(2, 16))
+        got = ahead(tokens, slots, start, ahead.new_cache(2, 16))
+    assert torch.equal(want, got)

@@ -101,6 +101,10 @@ def test_stream_matches_the_reference_bit_for_bit_on_every_path(fmt, shape, rows
         assert torch.equal(forced[:, : shape[0]], got), path
     for row in {0, rows // 2, rows - 1}:  # each row as a one-row call computes it: bit for bit
         assert torch.equal(packed(x[row:row + 1].contiguous())[0], got[row])
+    ahead = torch.empty(rows, padded)  # prefetching only reads ahead
+    cpu_kernels.gemm(ahead.data_ptr(), x.data_ptr(), packed.stored.data_ptr(), rows, shape[1], padded,
+                     KIND[packed.dtype], 2, 0, 2048)
+    assert torch.equal(ahead[:, : shape[0]], got)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5])

@@ -35,7 +35,7 @@ def test_bench_linears_report(tmp_path, capsys):
     result = run_linears_bench(Settings.load(threads=1), ["int8"], (1, 2), str(tmp_path))
     report = json.loads((tmp_path / "bench-linears.json").read_text())
     names = [c["name"] for c in report["candidates"]]
-    assert names[:2] == ["stream int8 (specrl)", "aten._weight_int8pack_mm (torch)"]
+    assert names[:3] == ["stream int8 (specrl)", "stream prefetch int8 (specrl)", "aten._weight_int8pack_mm (torch)"]
     for c in report["candidates"]:
         assert len(c["forward_ms"]) == 2 and all(ms > 0 for ms in c["forward_ms"]) and c["gb_s_one_row"] > 0
         assert set(c["per_shape_ms"]) == {"qkv", "o", "gate_up", "down", "head"}

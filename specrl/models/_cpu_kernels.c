@@ -894,46 +894,109 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *args) {
  * out = x1 + down(silu_mul(gate_up(rms_norm(x1)))), x1 = x + o(attend(qkv(rms_norm(x)))). The same
  * kernels in the same order as the per-op path (llama.py), so the same values to the bit; what it
  * saves is the Python and dispatch between them (~3.7 ms of a 16.9 ms SmolLM2 forward at B = 1). */
-static PyObject *py_layer(PyObject *self, PyObject *args) {
-    unsigned long long out, x, scratch, w_qkv, w_o, w_gu, w_down, norm_in, norm_post;
-    unsigned long long kc, vc, cos, sin, slots, positions, flat;
-    long long H, Wq, I, N, T, nh, kvh, d, max_len;
-    int kind, threads;
-    long long pf[4] = {0, 0, 0, 0}; /* the four linears' prefetch distances (qkv, o, gate_up, down) */
-    double eps;
-    if (!PyArg_ParseTuple(args, "KKKKKKKiKKdLLLKKKKKKKLLLLLLi|LLLL", &out, &x, &scratch, &w_qkv, &w_o, &w_gu, &w_down,
-                          &kind, &norm_in, &norm_post, &eps, &H, &Wq, &I, &kc, &vc, &cos, &sin, &slots, &positions,
-                          &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads, &pf[0], &pf[1], &pf[2], &pf[3]))
-        return NULL;
+/* One decoder layer's weights for `decoder_layer`: what `layer` takes as arguments and `layers` reads from a row
+ * of its table (LAYER_FIELDS int64 values: the four blocked weights, the weights' kind, the two norms' float32
+ * weights, then the four linears' int8/4-bit prefetch distances in bytes). */
+enum { LW_QKV, LW_O, LW_GU, LW_DOWN, LW_KIND, LW_NORM_IN, LW_NORM_POST, LW_PF, LAYER_FIELDS = LW_PF + 4 };
+
+/* One layer of a decode or verify step: y = x + attention(norm(x)), then y += mlp(norm(y)); the cache arguments
+ * (`a`: its k and v pointers already this layer's) as `attend` takes them. -> 0, or nonzero when memory ran out. */
+static int decoder_layer(float *y, const float *xin, float *scratch, const int64_t *lw, double eps, int64_t H,
+                         int64_t Wq, int64_t I, attend_args *a, int64_t sequences, int threads) {
+    const int64_t N = a->N, nh = a->nh, d = a->d;
+    const int kind = (int)lw[LW_KIND];
+    float *h = scratch, *qkv = h + N * H, *att = qkv + N * Wq, *o = att + N * nh * d;
+    float *x1 = o + N * H, *h2 = x1 + N * H, *gu = h2 + N * H, *act = gu + N * 2 * I, *dn = act + N * I;
+    a->qkv = qkv;
+    a->out = att;
+    int status = 0;
+    rms_norm(xin, (const float *)(uintptr_t)lw[LW_NORM_IN], h, N, H, eps);
+    status |= gemm(h, (const void *)(uintptr_t)lw[LW_QKV], qkv, N, H, Wq, kind, threads, PATH_BEST, lw[LW_PF]);
+    attend(a, sequences, threads, 0);
+    status |= gemm(att, (const void *)(uintptr_t)lw[LW_O], o, N, nh * d, H, kind, threads, PATH_BEST, lw[LW_PF + 1]);
+    for (int64_t i = 0; i < N * H; i++) x1[i] = xin[i] + o[i];
+    rms_norm(x1, (const float *)(uintptr_t)lw[LW_NORM_POST], h2, N, H, eps);
+    status |= gemm(h2, (const void *)(uintptr_t)lw[LW_GU], gu, N, H, 2 * I, kind, threads, PATH_BEST, lw[LW_PF + 2]);
+    silu_mul(gu, act, N, I, 0);
+    status |= gemm(act, (const void *)(uintptr_t)lw[LW_DOWN], dn, N, I, H, kind, threads, PATH_BEST, lw[LW_PF + 3]);
+    for (int64_t i = 0; i < N * H; i++) y[i] = x1[i] + dn[i];
+    return status;
+}
+
+static int layer_shapes_ok(int64_t N, int64_t T, int64_t nh, int64_t kvh, int64_t d, int64_t max_len, int threads,
+                           int64_t H, int64_t Wq, int64_t I, int64_t kind) {
     if (!attend_shape_ok(N, T, nh, kvh, d, max_len, threads) || H % BLOCK || Wq % BLOCK || (2 * I) % BLOCK ||
         Wq != (nh + 2 * kvh) * d || kind < W_F32 || kind > W_Q4 || (kind >= W_I8 && (H % 32 || I % 32 ||
         (nh * d) % 32)) || (kind == W_BF16 && (H % 2 || I % 2 || d % 2))) {
         PyErr_SetString(PyExc_ValueError, "layer: shapes the stream kernel and attend cannot take");
-        return NULL;
+        return 0;
     }
-    float *h = (float *)(uintptr_t)scratch, *qkv = h + N * H, *att = qkv + N * Wq, *o = att + N * nh * d;
-    float *x1 = o + N * H, *h2 = x1 + N * H, *gu = h2 + N * H, *act = gu + N * 2 * I, *dn = act + N * I;
-    const float *xin = (const float *)(uintptr_t)x;
-    float *y = (float *)(uintptr_t)out;
-    attend_args a = {qkv, att, (float *)(uintptr_t)kc, (float *)(uintptr_t)vc, (const float *)(uintptr_t)cos,
+    return 1;
+}
+
+static PyObject *py_layer(PyObject *self, PyObject *args) {
+    unsigned long long out, x, scratch, norm_in, norm_post;
+    unsigned long long kc, vc, cos, sin, slots, positions, flat;
+    long long H, Wq, I, N, T, nh, kvh, d, max_len;
+    int64_t lw[LAYER_FIELDS] = {0};
+    int kind, threads;
+    double eps;
+    if (!PyArg_ParseTuple(args, "KKKLLLLiKKdLLLKKKKKKKLLLLLLi|LLLL", &out, &x, &scratch, &lw[LW_QKV], &lw[LW_O],
+                          &lw[LW_GU], &lw[LW_DOWN], &kind, &norm_in, &norm_post, &eps, &H, &Wq, &I, &kc, &vc, &cos,
+                          &sin, &slots, &positions, &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads, &lw[LW_PF],
+                          &lw[LW_PF + 1], &lw[LW_PF + 2], &lw[LW_PF + 3]))
+        return NULL;
+    if (!layer_shapes_ok(N, T, nh, kvh, d, max_len, threads, H, Wq, I, kind)) return NULL;
+    lw[LW_KIND] = kind, lw[LW_NORM_IN] = (int64_t)norm_in, lw[LW_NORM_POST] = (int64_t)norm_post;
+    attend_args a = {NULL, NULL, (float *)(uintptr_t)kc, (float *)(uintptr_t)vc, (const float *)(uintptr_t)cos,
                      (const float *)(uintptr_t)sin, (const int64_t *)(uintptr_t)slots,
                      (const int64_t *)(uintptr_t)positions, (const int64_t *)(uintptr_t)flat, NULL, N, T, nh, kvh,
                      d, max_len};
     int64_t sequences, *first = sequence_starts(a.flat, N, T, &sequences);
     if (first == NULL) return NULL;
     a.first = first;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = decoder_layer((float *)(uintptr_t)out, (const float *)(uintptr_t)x, (float *)(uintptr_t)scratch, lw, eps,
+                           H, Wq, I, &a, sequences, threads);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(first);
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* Every layer of a decode or verify step in one call: the Python between 30 `layer` calls was ~0.3 ms of a 4-5 ms
+ * q4 forward (AVX2 EPYC), while the other compute thread waited. table: [L, LAYER_FIELDS] int64; layer i reads
+ * x (i = 0) or the other buffer and writes buffers[i % 2]; the caches' layer i lies layer_bytes past k and v. */
+static PyObject *py_layers(PyObject *self, PyObject *args) {
+    unsigned long long buf0, buf1, x, scratch, table;
+    unsigned long long kc, vc, cos, sin, slots, positions, flat;
+    long long L, layer_bytes, H, Wq, I, N, T, nh, kvh, d, max_len;
+    int threads;
+    double eps;
+    if (!PyArg_ParseTuple(args, "KKKKKLdLLLKKLKKKKKLLLLLLi", &buf0, &buf1, &x, &scratch, &table, &L, &eps, &H, &Wq,
+                          &I, &kc, &vc, &layer_bytes, &cos, &sin, &slots, &positions, &flat, &N, &T, &nh, &kvh, &d,
+                          &max_len, &threads))
+        return NULL;
+    const int64_t *rows = (const int64_t *)(uintptr_t)table;
+    for (long long i = 0; i < L; i++)
+        if (!layer_shapes_ok(N, T, nh, kvh, d, max_len, threads, H, Wq, I, rows[i * LAYER_FIELDS + LW_KIND])) return NULL;
+    attend_args a = {NULL, NULL, NULL, NULL, (const float *)(uintptr_t)cos, (const float *)(uintptr_t)sin,
+                     (const int64_t *)(uintptr_t)slots, (const int64_t *)(uintptr_t)positions,
+                     (const int64_t *)(uintptr_t)flat, NULL, N, T, nh, kvh, d, max_len};
+    int64_t sequences, *first = sequence_starts(a.flat, N, T, &sequences);
+    if (first == NULL) return NULL;
+    a.first = first;
+    float *buffers[2] = {(float *)(uintptr_t)buf0, (float *)(uintptr_t)buf1};
     int status = 0;
     Py_BEGIN_ALLOW_THREADS
-    rms_norm(xin, (const float *)(uintptr_t)norm_in, h, N, H, eps);
-    status |= gemm(h, (const void *)(uintptr_t)w_qkv, qkv, N, H, Wq, kind, threads, PATH_BEST, pf[0]);
-    attend(&a, sequences, threads, 0);
-    status |= gemm(att, (const void *)(uintptr_t)w_o, o, N, nh * d, H, kind, threads, PATH_BEST, pf[1]);
-    for (int64_t i = 0; i < N * H; i++) x1[i] = xin[i] + o[i];
-    rms_norm(x1, (const float *)(uintptr_t)norm_post, h2, N, H, eps);
-    status |= gemm(h2, (const void *)(uintptr_t)w_gu, gu, N, H, 2 * I, kind, threads, PATH_BEST, pf[2]);
-    silu_mul(gu, act, N, I, 0);
-    status |= gemm(act, (const void *)(uintptr_t)w_down, dn, N, I, H, kind, threads, PATH_BEST, pf[3]);
-    for (int64_t i = 0; i < N * H; i++) y[i] = x1[i] + dn[i];
+    for (long long i = 0; i < L && !status; i++) {
+        a.kc = (float *)(uintptr_t)(kc + i * layer_bytes);
+        a.vc = (float *)(uintptr_t)(vc + i * layer_bytes);
+        status = decoder_layer(buffers[i % 2], i == 0 ? (const float *)(uintptr_t)x : buffers[(i + 1) % 2],
+                               (float *)(uintptr_t)scratch, rows + i * LAYER_FIELDS, eps, H, Wq, I, &a, sequences,
+                               threads);
+    }
     Py_END_ALLOW_THREADS
     PyMem_Free(first);
     if (status) return PyErr_NoMemory();
@@ -987,6 +1050,11 @@ static PyMethodDef methods[] = {
      "v_cache, cos, sin, slots, positions, flat, N, T, NH, KVH, D, MAX, threads, *prefetch): one decoder layer of a "
      "decode or verify step over blocked weights (float32 activations; pointers as integers; prefetch: the four "
      "linears' int8/4-bit prefetch distances in bytes, default 0)"},
+    {"layers", py_layers, METH_VARARGS,
+     "layers(buffer0, buffer1, x, scratch, table, L, eps, H, Wq, I, k_cache, v_cache, layer_bytes, cos, sin, slots, "
+     "positions, flat, N, T, NH, KVH, D, MAX, threads): L decoder layers in one call, layer i's weights in row i of "
+     "table [L, 11] int64 (w_qkv, w_o, w_gate_up, w_down, kind, norm_in, norm_post, 4 prefetch distances); layer i "
+     "writes buffer i % 2 (the last layer's output: buffer (L - 1) % 2)"},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(out_ptr, gate_up_ptr, rows, I, portable=False): out[r] = silu(gate_up[r, :I]) * gate_up[r, I:], float32"},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,

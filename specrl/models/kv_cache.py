@@ -133,6 +133,12 @@ class CacheBatch:
                            flat, n, t, num_heads, kvh, d, max_len, torch.get_num_threads(), portable)
         return out
 
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes between one layer's k (or v) cache and the next one's (when `fused`): what `_cpu_kernels.layers`
+        steps by."""
+        return self._layer_bytes
+
     def kernel_args(self, layer: int) -> tuple[int, ...]:
         """-> the C kernels' cache arguments for `layer` (when `fused`): k and v of the layer, slots,
         positions, flat token indices (pointers), N real tokens, T, the cache's positions per slot."""

@@ -393,3 +393,28 @@ def test_the_prefetching_call_computes_the_same_bits_in_the_layer_loop(tiny_dir,
         want = plain(tokens, slots, start, plain.new_cache(2, 16))
         got = ahead(tokens, slots, start, ahead.new_cache(2, 16))
     assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.int8, torch.quint4x2])
+def test_all_layers_in_one_call_equal_one_call_a_layer(tiny_dir, weight_dtype):
+    """`_cpu_kernels.layers` runs every layer of a step in one C call (Llama._forward_streamed): the same bits and
+    the same cache writes as a `layer` call per layer, at one row and at a verify's several, with and without
+    prefetching linears."""
+    from specrl.models.kv_cache import CacheBatch
+
+    if cpu_kernels is None:
+        pytest.skip("the stream kernel is not built")
+    plan = (PrefetchPlan if weight_dtype != torch.float32 else ForcedPlan)("blocked", torch.float32, weight_dtype)
+    model = load_llama(tiny_dir, plan=plan)
+    for tokens, slots, start in ((torch.tensor([[7]]), torch.tensor([1]), torch.tensor([5])),
+                                 (torch.tensor([[3, 17, 5], [9, 2, 40]]), torch.tensor([0, 1]), torch.tensor([4, 7]))):
+        caches = [model.new_cache(2, 16), model.new_cache(2, 16)]
+        with torch.inference_mode():
+            one_call = model(tokens, slots, start, caches[0])
+            batch = CacheBatch(caches[1], slots, start, tokens.shape[1])
+            cos, sin = model.rope.tables(batch.positions)
+            x = model.embed_tokens(tokens)
+            for i, layer in enumerate(model.layers):
+                x = layer.forward_streamed(x, cos.contiguous(), sin.contiguous(), batch, i)
+        assert torch.equal(one_call, x.float())
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

@@ -31,6 +31,7 @@ counts (a 1-thread benchmark beside a 2-thread server) do not overwrite each oth
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import math
@@ -61,9 +62,10 @@ RING_BYTES = 512 << 20  # the ring's size where twice the L3 is more (`ring_copi
 MAX_RING_COPIES = 64
 
 
+@functools.cache
 def stream_kernel_digest() -> str | None:
     """The built stream kernel's identity: the first 16 hex digits of its shared library's sha256 (None: not
-    built). Calibrations measured with another build are measured again."""
+    built), read once a process. Calibrations measured with another build are measured again."""
     if cpu_kernels is None:
         return None
     return hashlib.sha256(Path(cpu_kernels.__file__).read_bytes()).hexdigest()[:16]

@@ -267,7 +267,7 @@ class DecoderLayer(nn.Module):
         cpu_kernels.layer(out.data_ptr(), x.data_ptr(), scratch.data_ptr(), *self.kernel_weights(), k, v,
                           cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), slots, positions, flat, n, t,
                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, torch.get_num_threads(),
-                          *(getattr(self, name).prefetch(rows) for name in self.LINEARS))
+                          *self.kernel_row(rows)[7:])
         return out
 
     def scratch_size(self, rows: int) -> int:
@@ -277,7 +277,7 @@ class DecoderLayer(nn.Module):
 
     def kernel_row(self, rows: int) -> tuple[int, ...]:
         """This layer's row of `_cpu_kernels.layers`'s table at `rows` rows: the four weights, their kind, the two
-        norms (pointers), then each linear's prefetch distance at that row count."""
+        norms (pointers), then each linear's prefetch distance at that row count (what `layer` takes last)."""
         w_qkv, w_o, w_gu, w_down, kind, norm_in, norm_post = self.kernel_weights()[:7]
         return (w_qkv, w_o, w_gu, w_down, kind, norm_in, norm_post,
                 *(getattr(self, name).prefetch(rows) for name in self.LINEARS))

@@ -51,12 +51,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "_cpu_amx.h"
 #include "_cpu_half.h"
 #include "_cpu_peak.h"
 #include "_cpu_quant.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for an extended state component (AMX tiles) */
-#define XFEATURE_XTILEDATA 18
 
 #define BLOCK 16 /* outputs per column block (the layout), whatever the vector width */
 /* Each column block the tile streams is prefetched PF_AHEAD inputs ahead (2 KB of float16): on the
@@ -69,7 +68,8 @@ enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_I8 = 3, W_Q4 = 4 };
  * and 4-bit on AVX2 even where VNNI is there (the last three for tests). One path for every row count: AMX and AVX512-BF16 sum in different
  * orders (7e-7 apart on [3072, 576]), and a verify must compute each row as a decode step does,
  * bit for bit, or greedy speculation could pick another token than plain decoding. */
-enum { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_NO_AMX = 2, PATH_AVX2 = 3 }; /* 3: int8/4-bit on AVX2 */
+/* 3: int8/4-bit on AVX2; 4: int8/4-bit on AMX-INT8 tiles where the CPU has them (a call the calibration times) */
+enum { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_NO_AMX = 2, PATH_AVX2 = 3, PATH_AMX_INT8 = 4 };
 
 /* ---- portable C ------------------------------------------------------------------------- */
 
@@ -276,19 +276,10 @@ __attribute__((target("avx512f,avx512bf16"))) static void blocks_bf16_avx512(
  * tiles 5-7 a block's 32 inputs (16 pairs x 16 outputs: 1 KB of the block's stream). xb has its
  * rows padded to a multiple of 16 with zeros; a last partial row group is stored through `part`.
  * The rows of a group share each weight tile: a verify over 16 positions streams what one does. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
 __attribute__((target("amx-tile,amx-bf16"))) static void amx_configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so it may drop the other stores */
-    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure_tiles(rows, colsb);
 }
 
 __attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
@@ -403,7 +394,11 @@ static int gemm(const float *x, const void *w, float *out, int64_t M, int64_t K,
     if (kind == W_BF16) return gemm_bf16(x, (const uint16_t *)w, out, M, K, N, threads, path);
     if (kind >= W_I8)
         return gemm_quant(x, w, out, M, K, N, kind, threads,
-                          path == PATH_PORTABLE ? QUANT_PORTABLE : path == PATH_AVX2 ? QUANT_AVX2 : QUANT_BEST, prefetch);
+                          path == PATH_PORTABLE   ? QUANT_PORTABLE
+                          : path == PATH_AVX2     ? QUANT_AVX2
+                          : path == PATH_AMX_INT8 ? QUANT_AMX
+                                                  : QUANT_BEST,
+                          prefetch);
     const char *name;
     int64_t group;
     blocks_fn run = pick(N, &name, &group);
@@ -423,9 +418,9 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKKLLLii|iL", &out, &x, &w, &M, &K, &N, &kind, &threads, &path, &prefetch))
         return NULL;
     if (M < 0 || K < 1 || N < 0 || N % BLOCK || kind < W_F32 || kind > W_Q4 || (kind == W_BF16 && K % 2) ||
-        (kind >= W_I8 && K % 32) || threads < 1 || prefetch < 0) {
+        (kind >= W_I8 && K % 32) || threads < 1 || prefetch < 0 || path < PATH_BEST || path > PATH_AMX_INT8) {
         PyErr_SetString(PyExc_ValueError, "gemm: N must be a multiple of 16, K >= 1 (even for bfloat16, a multiple of "
-                                          "32 for int8 and 4-bit), kind 0-4, threads >= 1, prefetch >= 0");
+                                          "32 for int8 and 4-bit), kind 0-4, threads >= 1, path 0-4, prefetch >= 0");
         return NULL;
     }
     int status;
@@ -896,8 +891,11 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *args) {
  * saves is the Python and dispatch between them (~3.7 ms of a 16.9 ms SmolLM2 forward at B = 1). */
 /* One decoder layer's weights for `decoder_layer`: what `layer` takes as arguments and `layers` reads from a row
  * of its table (LAYER_FIELDS int64 values: the four blocked weights, the weights' kind, the two norms' float32
- * weights, then the four linears' int8/4-bit prefetch distances in bytes). */
-enum { LW_QKV, LW_O, LW_GU, LW_DOWN, LW_KIND, LW_NORM_IN, LW_NORM_POST, LW_PF, LAYER_FIELDS = LW_PF + 4 };
+ * weights, then for each of the four linears its gemm path and its int8/4-bit prefetch distance in bytes: the
+ * stream call the calibration chose for it at this row count). */
+enum { LW_QKV, LW_O, LW_GU, LW_DOWN, LW_KIND, LW_NORM_IN, LW_NORM_POST, LW_CALL, LAYER_FIELDS = LW_CALL + 8 };
+#define LW_PATH(i) ((int)lw[LW_CALL + 2 * (i)])
+#define LW_PF(i) lw[LW_CALL + 2 * (i) + 1]
 
 /* One layer of a decode or verify step: y = x + attention(norm(x)), then y += mlp(norm(y)); the cache arguments
  * (`a`: its k and v pointers already this layer's) as `attend` takes them. -> 0, or nonzero when memory ran out. */
@@ -911,16 +909,26 @@ static int decoder_layer(float *y, const float *xin, float *scratch, const int64
     a->out = att;
     int status = 0;
     rms_norm(xin, (const float *)(uintptr_t)lw[LW_NORM_IN], h, N, H, eps);
-    status |= gemm(h, (const void *)(uintptr_t)lw[LW_QKV], qkv, N, H, Wq, kind, threads, PATH_BEST, lw[LW_PF]);
+    status |= gemm(h, (const void *)(uintptr_t)lw[LW_QKV], qkv, N, H, Wq, kind, threads, LW_PATH(0), LW_PF(0));
     attend(a, sequences, threads, 0);
-    status |= gemm(att, (const void *)(uintptr_t)lw[LW_O], o, N, nh * d, H, kind, threads, PATH_BEST, lw[LW_PF + 1]);
+    status |= gemm(att, (const void *)(uintptr_t)lw[LW_O], o, N, nh * d, H, kind, threads, LW_PATH(1), LW_PF(1));
     for (int64_t i = 0; i < N * H; i++) x1[i] = xin[i] + o[i];
     rms_norm(x1, (const float *)(uintptr_t)lw[LW_NORM_POST], h2, N, H, eps);
-    status |= gemm(h2, (const void *)(uintptr_t)lw[LW_GU], gu, N, H, 2 * I, kind, threads, PATH_BEST, lw[LW_PF + 2]);
+    status |= gemm(h2, (const void *)(uintptr_t)lw[LW_GU], gu, N, H, 2 * I, kind, threads, LW_PATH(2), LW_PF(2));
     silu_mul(gu, act, N, I, 0);
-    status |= gemm(act, (const void *)(uintptr_t)lw[LW_DOWN], dn, N, I, H, kind, threads, PATH_BEST, lw[LW_PF + 3]);
+    status |= gemm(act, (const void *)(uintptr_t)lw[LW_DOWN], dn, N, I, H, kind, threads, LW_PATH(3), LW_PF(3));
     for (int64_t i = 0; i < N * H; i++) y[i] = x1[i] + dn[i];
     return status;
+}
+
+/* A linear's stream call (gemm path, prefetch distance) as a layer row holds it. */
+static int calls_ok(const int64_t *lw) {
+    for (int i = 0; i < 4; i++)
+        if (LW_PATH(i) < PATH_BEST || LW_PATH(i) > PATH_AMX_INT8 || LW_PF(i) < 0) {
+            PyErr_SetString(PyExc_ValueError, "layer: a linear's gemm path must be 0-4 and its prefetch >= 0");
+            return 0;
+        }
+    return 1;
 }
 
 static int layer_shapes_ok(int64_t N, int64_t T, int64_t nh, int64_t kvh, int64_t d, int64_t max_len, int threads,
@@ -941,12 +949,13 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
     int64_t lw[LAYER_FIELDS] = {0};
     int kind, threads;
     double eps;
-    if (!PyArg_ParseTuple(args, "KKKLLLLiKKdLLLKKKKKKKLLLLLLi|LLLL", &out, &x, &scratch, &lw[LW_QKV], &lw[LW_O],
+    int64_t *call = lw + LW_CALL;
+    if (!PyArg_ParseTuple(args, "KKKLLLLiKKdLLLKKKKKKKLLLLLLi|LLLLLLLL", &out, &x, &scratch, &lw[LW_QKV], &lw[LW_O],
                           &lw[LW_GU], &lw[LW_DOWN], &kind, &norm_in, &norm_post, &eps, &H, &Wq, &I, &kc, &vc, &cos,
-                          &sin, &slots, &positions, &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads, &lw[LW_PF],
-                          &lw[LW_PF + 1], &lw[LW_PF + 2], &lw[LW_PF + 3]))
+                          &sin, &slots, &positions, &flat, &N, &T, &nh, &kvh, &d, &max_len, &threads, &call[0],
+                          &call[1], &call[2], &call[3], &call[4], &call[5], &call[6], &call[7]))
         return NULL;
-    if (!layer_shapes_ok(N, T, nh, kvh, d, max_len, threads, H, Wq, I, kind)) return NULL;
+    if (!layer_shapes_ok(N, T, nh, kvh, d, max_len, threads, H, Wq, I, kind) || !calls_ok(lw)) return NULL;
     lw[LW_KIND] = kind, lw[LW_NORM_IN] = (int64_t)norm_in, lw[LW_NORM_POST] = (int64_t)norm_post;
     attend_args a = {NULL, NULL, (float *)(uintptr_t)kc, (float *)(uintptr_t)vc, (const float *)(uintptr_t)cos,
                      (const float *)(uintptr_t)sin, (const int64_t *)(uintptr_t)slots,
@@ -980,7 +989,9 @@ static PyObject *py_layers(PyObject *self, PyObject *args) {
         return NULL;
     const int64_t *rows = (const int64_t *)(uintptr_t)table;
     for (long long i = 0; i < L; i++)
-        if (!layer_shapes_ok(N, T, nh, kvh, d, max_len, threads, H, Wq, I, rows[i * LAYER_FIELDS + LW_KIND])) return NULL;
+        if (!layer_shapes_ok(N, T, nh, kvh, d, max_len, threads, H, Wq, I, rows[i * LAYER_FIELDS + LW_KIND]) ||
+            !calls_ok(rows + i * LAYER_FIELDS))
+            return NULL;
     attend_args a = {NULL, NULL, NULL, NULL, (const float *)(uintptr_t)cos, (const float *)(uintptr_t)sin,
                      (const int64_t *)(uintptr_t)slots, (const int64_t *)(uintptr_t)positions,
                      (const int64_t *)(uintptr_t)flat, NULL, N, T, nh, kvh, d, max_len};
@@ -1005,13 +1016,13 @@ static PyObject *py_layers(PyObject *self, PyObject *args) {
 
 static PyObject *py_path(PyObject *self, PyObject *args) {
     long long N, K = 32;
-    int kind = W_F32;
-    if (!PyArg_ParseTuple(args, "L|iL", &N, &kind, &K)) return NULL;
+    int kind = W_F32, path = PATH_BEST;
+    if (!PyArg_ParseTuple(args, "L|iLi", &N, &kind, &K, &path)) return NULL;
     if (kind == W_BF16) {
         static const char *names[] = {"amx", "avx512_bf16", "portable"};
         return PyUnicode_FromString(names[bf16_path(N, K, PATH_BEST)]);
     }
-    if (kind >= W_I8) return PyUnicode_FromString(quant_path_name());
+    if (kind >= W_I8) return PyUnicode_FromString(quant_path_name(path == PATH_AMX_INT8 ? QUANT_AMX : QUANT_BEST));
     const char *name;
     int64_t group;
     pick(N, &name, &group);
@@ -1039,21 +1050,24 @@ static PyMethodDef methods[] = {
      "[N/16, K, 16] (kind 0: float32, 1: float16), [N/16, K/2, 16, 2] (kind 2: bfloat16) or [N/16, K+K/8, 16] (kind 3: int8, "
      "groups of 32 inputs with their float32 scales) or bytes [N/16, 10 K] (kind 4: 4-bit, Q4_1's groups of 32 "
      "with float16 scales and minimums), both as _cpu_quant.c lays them out; path: 0 the best the CPU has, 1 "
-     "portable C (tests), 2 bfloat16 without AMX, 3 int8 and 4-bit on AVX2 without VNNI"},
-    {"path", py_path, METH_VARARGS, "path(N, kind=0, K=32) -> the instruction set used for N outputs (of K inputs)"},
+     "portable C (tests), 2 bfloat16 without AMX, 3 int8 and 4-bit on AVX2 without VNNI, 4 int8 and 4-bit on "
+     "AMX-INT8 tiles where the CPU has them"},
+    {"path", py_path, METH_VARARGS, "path(N, kind=0, K=32, path=0) -> the instruction set used for N outputs (of K inputs); int8 and 4-bit "
+     "weights with path=4 (AMX-INT8 tiles): amx_int8 where the CPU has them, else the best path's"},
     {"attend", py_attend, METH_VARARGS,
      "attend(out, qkv, k_cache, v_cache, cos, sin, slots, positions, flat, N, T, NH, KVH, D, MAX, threads, "
      "portable=False): rotary embedding, cache write and causal attention of one layer for N tokens of a "
      "decode or verify step (float32; pointers as integers)"},
     {"layer", py_layer, METH_VARARGS,
      "layer(out, x, scratch, w_qkv, w_o, w_gate_up, w_down, kind, norm_in, norm_post, eps, H, Wq, I, k_cache, "
-     "v_cache, cos, sin, slots, positions, flat, N, T, NH, KVH, D, MAX, threads, *prefetch): one decoder layer of a "
-     "decode or verify step over blocked weights (float32 activations; pointers as integers; prefetch: the four "
-     "linears' int8/4-bit prefetch distances in bytes, default 0)"},
+     "v_cache, cos, sin, slots, positions, flat, N, T, NH, KVH, D, MAX, threads, *calls): one decoder layer of a "
+     "decode or verify step over blocked weights (float32 activations; pointers as integers; calls: each of the four "
+     "linears' gemm path and int8/4-bit prefetch distance in bytes, in pairs, default 0)"},
     {"layers", py_layers, METH_VARARGS,
      "layers(buffer0, buffer1, x, scratch, table, L, eps, H, Wq, I, k_cache, v_cache, layer_bytes, cos, sin, slots, "
      "positions, flat, N, T, NH, KVH, D, MAX, threads): L decoder layers in one call, layer i's weights in row i of "
-     "table [L, 11] int64 (w_qkv, w_o, w_gate_up, w_down, kind, norm_in, norm_post, 4 prefetch distances); layer i "
+     "table [L, 15] int64 (w_qkv, w_o, w_gate_up, w_down, kind, norm_in, norm_post, then each linear's gemm path and "
+     "prefetch distance); layer i "
      "writes buffer i % 2 (the last layer's output: buffer (L - 1) % 2)"},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(out_ptr, gate_up_ptr, rows, I, portable=False): out[r] = silu(gate_up[r, :I]) * gate_up[r, I:], float32"},
@@ -1078,8 +1092,9 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     unsigned int a, b, c, d;
     if (has_avx512 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) has_avx512_bf16 = (a >> 5) & 1;
-    if (has_avx512_bf16 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) && ((d >> 24) & 1))
-        /* Linux hands out AMX's 8 KB of tile state only to a process that asks (5.16+) */
-        has_amx = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    /* Linux hands out AMX's 8 KB of tile state only to a process that asks (5.16+) */
+    const int tiles = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1) && amx_request_tiles();
+    has_amx = tiles && has_avx512_bf16 && ((d >> 22) & 1);
+    quant_allow_amx(tiles);
     return PyModule_Create(&module);
 }

@@ -12,13 +12,20 @@
  *   avx2_int8    VPMADDUBSW + VPMADDWD ymm      32  (int8 and 4-bit weights on AVX2: u8 x s8 pairs, then int32)
  *   avx512_vnni  VPDPBUSD zmm                   64  (int8 and 4-bit weights on AVX-512 VNNI)
  *   avx512_bf16  VDPBF16PS zmm                  32  (bfloat16 weights without AMX)
+ *   amx_bf16     TDPBF16PS 16x16 tiles        8192  (bfloat16 weights on AMX: 16 rows x 16 outputs x 32)
+ *   amx_int8     TDPBSUD 16x16 tiles         16384  (int8 and 4-bit weights on AMX: 16 rows x 16 outputs x 64)
+ * AMX's loops keep 4 accumulator tiles over 2 A and 2 B tiles (every tile register), as the kernels do; a tile
+ * instruction's rate is its full 16-row shape's, which a kernel reaches only with 16 rows: at fewer rows the
+ * floor it gives is optimistic (the unit takes about as long for a 16-row tile as for a shorter one).
  * The accumulators are summed into a volatile sink, so no loop can be dropped as dead code; the values
  * themselves mean nothing (floats stay finite and far from denormals: nothing slows a lane).
  */
 #include "_cpu_peak.h"
+#include "_cpu_amx.h"
 
 #include <immintrin.h>
 #include <omp.h>
+#include <stdint.h>
 #include <string.h>
 
 #define YMM_CHAINS 8
@@ -89,6 +96,34 @@ __attribute__((target("avx512f,avx512bf16"))) static double loop_avx512_bf16(lon
     return total;
 }
 
+/* AMX: every tile 16 rows x 64 bytes, configured per thread. */
+__attribute__((target("amx-tile"))) static void amx_full_tiles(void) {
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure_tiles(rows, colsb);
+}
+
+/* 4 tile products a step into tiles 0-3, from A tiles 4-5 and B tiles 6-7 loaded once. */
+#define AMX_LOOP(NAME, TARGET, PRODUCT, TYPE, FILL)                                                                   \
+    __attribute__((target(TARGET))) static double NAME(long steps) {                                                  \
+        TYPE src[16 * 64 / sizeof(TYPE)], out[16 * 64 / sizeof(TYPE)];                                                 \
+        for (size_t i = 0; i < sizeof src / sizeof *src; i++) src[i] = FILL;                                          \
+        amx_full_tiles();                                                                                             \
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                                                   \
+        _tile_loadd(4, src, 64); _tile_loadd(5, src, 64); _tile_loadd(6, src, 64); _tile_loadd(7, src, 64);           \
+        for (long n = 0; n < steps; n++) {                                                                            \
+            PRODUCT(0, 4, 6);                                                                                         \
+            PRODUCT(1, 4, 7);                                                                                         \
+            PRODUCT(2, 5, 6);                                                                                         \
+            PRODUCT(3, 5, 7);                                                                                         \
+        }                                                                                                             \
+        _tile_stored(0, out, 64);                                                                                     \
+        _tile_release();                                                                                              \
+        return (double)out[0];                                                                                        \
+    }
+AMX_LOOP(loop_amx_int8, "amx-tile,amx-int8", _tile_dpbsud, int8_t, 1)   /* int32 sums wrap: no lane slows */
+AMX_LOOP(loop_amx_bf16, "amx-tile,amx-bf16", _tile_dpbf16ps, uint16_t, 0x3e80) /* 0.25: + 2 a step, finite */
+
 typedef struct {
     const char *name;
     const char *features[3]; /* what the CPU must have (__builtin_cpu_supports names) */
@@ -102,6 +137,8 @@ static const instruction INSTRUCTIONS[] = {
     {"avx2_int8", {"avx2", NULL, NULL}, loop_avx2_int8, 32 * YMM_CHAINS},
     {"avx512_vnni", {"avx512f", "avx512bw", "avx512vnni"}, loop_avx512_vnni, 64 * ZMM_CHAINS},
     {"avx512_bf16", {"avx512f", "avx512bf16", NULL}, loop_avx512_bf16, 32 * ZMM_CHAINS},
+    {"amx_bf16", {"amx-tile", "amx-bf16", NULL}, loop_amx_bf16, 4 * 16 * 16 * 32},
+    {"amx_int8", {"amx-tile", "amx-int8", NULL}, loop_amx_int8, 4 * 16 * 16 * 64},
 };
 
 static const instruction *find(const char *name) {
@@ -120,6 +157,9 @@ static int supported(const instruction *ins) {
                  : strcmp(f, "avx512bw") == 0   ? __builtin_cpu_supports("avx512bw")
                  : strcmp(f, "avx512vnni") == 0 ? __builtin_cpu_supports("avx512vnni")
                  : strcmp(f, "avx512bf16") == 0 ? __builtin_cpu_supports("avx512bf16")
+                 : strcmp(f, "amx-tile") == 0   ? __builtin_cpu_supports("amx-tile") && amx_request_tiles()
+                 : strcmp(f, "amx-int8") == 0   ? __builtin_cpu_supports("amx-int8")
+                 : strcmp(f, "amx-bf16") == 0   ? __builtin_cpu_supports("amx-bf16")
                                                 : 0;
         if (!ok) return 0;
     }

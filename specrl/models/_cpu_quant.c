@@ -34,6 +34,7 @@
  * saturating int16) then VPMADDWD by ones; int8 goes through it as |q| times xq with q's sign
  * (2 x 127 x 127 fits int16), 4-bit as it is (2 x 15 x 127), its group's 8 pair sums added in int16 first.
  */
+#include "_cpu_amx.h"
 #include "_cpu_half.h"
 #include "_cpu_quant.h"
 
@@ -351,19 +352,164 @@ AVX2_TILES(KIND_I8, AVX2_SUMS_I8)
 AVX2_TILES(KIND_Q4, AVX2_SUMS_Q4)
 static const tile_fn avx2_i8[] = TILE_TABLE(avx2, KIND_I8), avx2_q4[] = TILE_TABLE(avx2, KIND_Q4);
 
+/* ---- AMX-INT8: 16 outputs x up to 16 rows a tile product ------------------------------------- */
+
+/* A group of one block is already an AMX B tile: 8 rows of 64 bytes, row r holding each output's 4 weight bytes
+ * for inputs 4r..4r+3 (int8; q4's nibbles are split into that shape first, low nibbles of row r -> tile row 2r,
+ * high -> 2r + 1). TDPBSUD multiplies the rows' xq (signed, the A tile: R rows x 32 bytes straight from the
+ * quantized activations, stride K) by those bytes (unsigned) into R x 16 int32: the group's integer sums, the
+ * same integers as VPDPBUSD's (int8's -128 sum(xq) is subtracted after). The float steps that follow are the VNNI
+ * path's, in its order, so every row gets the VNNI path's bits at any row count. One tile product replaces the
+ * 8 R VPDPBUSD (and their broadcasts) of a group.
+ * The sums reach the vector unit only through memory (a tile store), and a tile load of q4's unpacked bytes
+ * only after their vector stores: neither forwards, each waits for the stores to reach L1. So the loop is
+ * pipelined by chunks of 4 groups: chunk c's products (4 accumulator tiles) and stores, then chunk c + 1's unpacking,
+ * then chunk c - 1's float steps, each reading what an earlier chunk stored. */
+#define AMX_I8 "amx-tile,amx-int8,avx512f,avx512bw,f16c"
+#define AMX_CHUNK 4 /* groups a chunk: accumulator tiles 0-3, A tiles 4-5 and B tiles 6-7 alternate */
+#define AMX_ROWS _Pragma("GCC unroll 16")
+
+static int has_amx_int8 = 0; /* the CPU has AMX-INT8 and Linux let this process use it (_cpu_kernels' init) */
+
+void quant_allow_amx(int allowed) { has_amx_int8 = allowed && has_vnni && __builtin_cpu_supports("amx-int8"); }
+
+/* Tiles for R rows: C R x 16 int32, A R x 32 int8, B 8 x 64 bytes. */
+__attribute__((target("amx-tile"))) static void amx_rows(int64_t R) {
+    const uint8_t r = (uint8_t)R, rows[8] = {r, r, r, r, r, r, 8, 8};
+    const uint16_t colsb[8] = {64, 64, 64, 64, GROUP, GROUP, 64, 64};
+    amx_configure_tiles(rows, colsb);
+}
+
+/* Group gg's integer sums of rows m0.. into tile TC, stored to sums (the intrinsics take literal tile numbers). */
+#define AMX_PRODUCT(TC, TA, TB, gg, b_src, sums_out)                                                                  \
+    {                                                                                                                 \
+        _tile_zero(TC);                                                                                               \
+        _tile_loadd(TA, a->q + m0 * K + (gg) * GROUP, K);                                                             \
+        _tile_loadd(TB, (b_src), 64);                                                                                 \
+        _tile_dpbsud(TC, TA, TB);                                                                                     \
+        _tile_stored(TC, (sums_out), 64);                                                                             \
+    }
+
+#define AMX_BLOCK(KIND)                                                                                               \
+    /* q4: group grp's nibbles -> the B tile's 8 rows of 64 bytes */                                                 \
+    __attribute__((target(AMX_I8), always_inline)) static inline void amx_unpack_##KIND(const uint8_t *grp, uint8_t *tile) {         \
+        const __m512i low4 = _mm512_set1_epi8(15);                                                                    \
+        UNROLL for (int r = 0; r < 4; r++) {                                                                          \
+            const __m512i bytes = _mm512_loadu_si512(grp + r * 64);                                                   \
+            _mm512_store_si512(tile + 128 * r, _mm512_and_si512(bytes, low4));                                        \
+            _mm512_store_si512(tile + 128 * r + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));             \
+        }                                                                                                             \
+    }                                                                                                                 \
+    /* the float steps of groups g0..g0+n-1 from their stored sums, in group order (the VNNI path's) */              \
+    __attribute__((target(AMX_I8), always_inline)) static inline void amx_scale_##KIND(                                              \
+        const acts *a, const uint8_t *w, __m512 *acc, int32_t (*sums)[16][BLOCK], int64_t G, int64_t m0, int64_t R,   \
+        int64_t b0, int64_t g0, int64_t n) {                                                                          \
+        for (int64_t j = 0; j < n; j++) {                                                                             \
+            const int64_t g = g0 + j;                                                                                 \
+            const uint8_t *grp = w + ((size_t)b0 * G + g) * group_bytes(KIND);                                        \
+            if (KIND == KIND_I8) {                                                                                    \
+                const __m512 scale = _mm512_loadu_ps((const float *)(grp + 512));                                     \
+                AMX_ROWS for (int64_t i = 0; i < R; i++) {                                                            \
+                    const __m512i s = _mm512_sub_epi32(_mm512_load_si512(sums[j][i]),                                 \
+                                                       _mm512_set1_epi32(128 * a->qsum[(m0 + i) * G + g]));           \
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),                                                   \
+                                             _mm512_mul_ps(scale, _mm512_set1_ps(a->scale[(m0 + i) * G + g])), acc[i]); \
+                }                                                                                                     \
+            } else {                                                                                                  \
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 256)));                   \
+                const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + 288)));                  \
+                AMX_ROWS for (int64_t i = 0; i < R; i++) {                                                            \
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[j][i])),                       \
+                                             _mm512_mul_ps(d, _mm512_set1_ps(a->scale[(m0 + i) * G + g])), acc[i]);   \
+                    acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sum[(m0 + i) * G + g]), acc[i]);                  \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+    }                                                                                                                 \
+    __attribute__((target(AMX_I8), always_inline)) static inline void amx_##KIND(                                     \
+        const acts *a, const uint8_t *w, float *out, int64_t K, int64_t N, int64_t m0, const int64_t R, int64_t b0) { \
+        const int64_t G = K / GROUP;                                                                                  \
+        const size_t gb = group_bytes(KIND);                                                                          \
+        _Alignas(64) int32_t sums[2][AMX_CHUNK][16][BLOCK]; /* chunk c's in sums[c % 2] */                             \
+        _Alignas(64) uint8_t unpacked[2][AMX_CHUNK][8 * 64]; /* q4: chunk c's B tiles in unpacked[c % 2] */           \
+        __m512 acc[16];                                                                                               \
+        AMX_ROWS for (int64_t i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                        \
+        const uint8_t *wb = w + (size_t)b0 * G * gb;                                                                  \
+        if (KIND == KIND_Q4)                                                                                          \
+            for (int64_t j = 0; j < AMX_CHUNK && j < G; j++) amx_unpack_##KIND(wb + j * gb, unpacked[0][j]);         \
+        for (int64_t c = 0, g0 = 0; g0 < G; c++, g0 += AMX_CHUNK) {                                                   \
+            const int64_t n = G - g0 < AMX_CHUNK ? G - g0 : AMX_CHUNK;                                                \
+            const uint8_t *grp = wb + g0 * gb;                                                                        \
+            PREFETCH(grp, AMX_CHUNK * gb)                                                                             \
+            int32_t(*out_sums)[16][BLOCK] = sums[c % 2];                                                              \
+            const uint8_t *src[AMX_CHUNK];                                                                            \
+            for (int j = 0; j < AMX_CHUNK; j++) src[j] = KIND == KIND_Q4 ? unpacked[c % 2][j] : grp + j * gb;         \
+            AMX_PRODUCT(0, 4, 6, g0, src[0], out_sums[0])                                                             \
+            if (n > 1) AMX_PRODUCT(1, 5, 7, g0 + 1, src[1], out_sums[1])                                              \
+            if (n > 2) AMX_PRODUCT(2, 4, 6, g0 + 2, src[2], out_sums[2])                                              \
+            if (n > 3) AMX_PRODUCT(3, 5, 7, g0 + 3, src[3], out_sums[3])                                              \
+            if (KIND == KIND_Q4)                                                                                      \
+                for (int64_t j = 0; j < AMX_CHUNK && g0 + AMX_CHUNK + j < G; j++)                                     \
+                    amx_unpack_##KIND(grp + (AMX_CHUNK + j) * gb, unpacked[(c + 1) % 2][j]);                          \
+            if (c) amx_scale_##KIND(a, w, acc, sums[(c + 1) % 2], G, m0, R, b0, g0 - AMX_CHUNK, AMX_CHUNK);          \
+        }                                                                                                             \
+        const int64_t last = (G - 1) / AMX_CHUNK * AMX_CHUNK; /* the last chunk's first group */                    \
+        amx_scale_##KIND(a, w, acc, sums[(last / AMX_CHUNK) % 2], G, m0, R, b0, last, G - last);                      \
+        AMX_ROWS for (int64_t i = 0; i < R; i++) _mm512_storeu_ps(out + (m0 + i) * N + b0 * BLOCK, acc[i]);           \
+    }
+AMX_BLOCK(KIND_I8)
+AMX_BLOCK(KIND_Q4)
+
+/* One function a row count, so that the rows' accumulators stay in registers (the loops over rows unrolled). */
+#define AMX_TILE(KIND, MR)                                                                                            \
+    __attribute__((target(AMX_I8))) static void amx_##KIND##_##MR(const acts *a, const uint8_t *w, float *out,       \
+                                                                  int64_t K, int64_t N, int64_t m0, int64_t b0) {     \
+        amx_##KIND(a, w, out, K, N, m0, MR, b0);                                                                      \
+    }
+#define AMX_TILES(KIND)                                                                                               \
+    AMX_TILE(KIND, 1) AMX_TILE(KIND, 2) AMX_TILE(KIND, 3) AMX_TILE(KIND, 4) AMX_TILE(KIND, 5) AMX_TILE(KIND, 6)       \
+    AMX_TILE(KIND, 7) AMX_TILE(KIND, 8) AMX_TILE(KIND, 9) AMX_TILE(KIND, 10) AMX_TILE(KIND, 11) AMX_TILE(KIND, 12)    \
+    AMX_TILE(KIND, 13) AMX_TILE(KIND, 14) AMX_TILE(KIND, 15) AMX_TILE(KIND, 16)
+AMX_TILES(KIND_I8)
+AMX_TILES(KIND_Q4)
+#define AMX_TABLE(KIND)                                                                                               \
+    {NULL, amx_##KIND##_1, amx_##KIND##_2, amx_##KIND##_3, amx_##KIND##_4, amx_##KIND##_5, amx_##KIND##_6,            \
+     amx_##KIND##_7, amx_##KIND##_8, amx_##KIND##_9, amx_##KIND##_10, amx_##KIND##_11, amx_##KIND##_12,               \
+     amx_##KIND##_13, amx_##KIND##_14, amx_##KIND##_15, amx_##KIND##_16}
+static const tile_fn amx_i8[] = AMX_TABLE(KIND_I8), amx_q4[] = AMX_TABLE(KIND_Q4);
+
+/* Every block of this thread's share, its rows in chunks of at most 16 (near-equal: 20 -> 10 + 10); the tiles are
+ * configured once a chunk size. */
+__attribute__((target("amx-tile"))) static void amx_blocks(const acts *a, const uint8_t *w, float *out, int64_t M,
+                                                          int64_t K, int64_t N, int64_t b0, int64_t b1, int kind) {
+    const int64_t chunks = (M + 15) / 16;
+    int64_t configured = 0;
+    for (int64_t b = b0; b < b1; b++)
+        for (int64_t c = 0, m = 0; c < chunks; c++) {
+            const int64_t end = M * (c + 1) / chunks;
+            if (end - m != configured) amx_rows(configured = end - m);
+            (kind == KIND_I8 ? amx_i8 : amx_q4)[end - m](a, w, out, K, N, m, b);
+            m = end;
+        }
+    _tile_release();
+}
+
 /* ---- dispatch ---------------------------------------------------------------------------- */
 
-enum { Q_VNNI, Q_AVX2, Q_PORTABLE };
+enum { Q_VNNI, Q_AVX2, Q_PORTABLE, Q_AMX };
 
-/* force: QUANT_BEST, or the AVX2 or C path (tests; a CPU without AVX2 takes C) */
+/* force: QUANT_BEST (VNNI, else AVX2, else C), QUANT_AMX (AMX-INT8 tiles where the CPU has them, else as
+ * QUANT_BEST: the calibration times it as a call of its own), or the AVX2 or C path (tests; a CPU without AVX2
+ * takes C) */
 static int quant_path(int force) {
     if (force == QUANT_PORTABLE || !has_avx2) return Q_PORTABLE;
+    if (force == QUANT_AMX && has_amx_int8) return Q_AMX;
     return has_vnni && force != QUANT_AVX2 ? Q_VNNI : Q_AVX2;
 }
 
-const char *quant_path_name(void) {
-    static const char *names[] = {"avx512_vnni", "avx2", "portable"};
-    return names[quant_path(QUANT_BEST)];
+const char *quant_path_name(int force) {
+    static const char *names[] = {"avx512_vnni", "avx2", "portable", "amx_int8"};
+    return names[quant_path(force)];
 }
 
 /* Block b0 for every row: ceil(M / ROWS) tiles of near-equal rows (8 rows: 4 + 4,
@@ -382,11 +528,24 @@ int gemm_quant(const float *x, const void *w, float *out, int64_t M, int64_t K, 
                int force, int64_t prefetch) {
     const int path = quant_path(force), i8 = kind == KIND_I8;
     acts a;
-    if (quantize_rows(x, M, K, path == Q_VNNI ? quantize_group_avx512 : path == Q_AVX2 ? quantize_group_avx2 : quantize_group_c,
+    if (quantize_rows(x, M, K, path == Q_VNNI || path == Q_AMX ? quantize_group_avx512
+                               : path == Q_AVX2                  ? quantize_group_avx2
+                                                                 : quantize_group_c,
                       &a))
         return -1;
     a.prefetch = prefetch;
     const tile_fn *tiles = path == Q_VNNI ? (i8 ? vnni_i8 : vnni_q4) : (i8 ? avx2_i8 : avx2_q4);
+    if (path == Q_AMX) {
+        /* each thread one contiguous range of blocks, as the static loop below gives it */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            const int64_t blocks = N / BLOCK, n = omp_get_num_threads(), t = omp_get_thread_num();
+            if (blocks * t / n < blocks * (t + 1) / n)
+                amx_blocks(&a, (const uint8_t *)w, out, M, K, N, blocks * t / n, blocks * (t + 1) / n, kind);
+        }
+        free(a.buffer);
+        return 0;
+    }
     /* blocks in static chunks, a few per thread: each thread streams one contiguous range */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < N / BLOCK; b++) {

@@ -6,7 +6,11 @@
 /* Reads the CPU's instruction sets once (the module's init). */
 void quant_init(void);
 
-enum { QUANT_BEST, QUANT_PORTABLE, QUANT_AVX2 }; /* a path to force (tests) */
+/* The process may use AMX tiles (Linux granted them: _cpu_kernels' init asks); the CPU's AMX-INT8 is checked here. */
+void quant_allow_amx(int allowed);
+
+/* a path to force: QUANT_AMX is a call the calibration times (AMX-INT8 tiles where there are), the others tests' */
+enum { QUANT_BEST, QUANT_PORTABLE, QUANT_AVX2, QUANT_AMX };
 
 /* out[M, N] = x[M, K] @ W^T for W blocked as _cpu_quant.c describes (kind 3: int8, 4: 4-bit), K a
  * multiple of 32, N of 16; force: QUANT_BEST, or the path named (every path gives the same bits); prefetch:
@@ -15,6 +19,6 @@ enum { QUANT_BEST, QUANT_PORTABLE, QUANT_AVX2 }; /* a path to force (tests) */
 int gemm_quant(const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N, int kind, int threads,
                int force, int64_t prefetch);
 
-/* The instruction set gemm_quant uses: "avx512_vnni", "avx2" or "portable". */
-const char *quant_path_name(void);
+/* The instruction set gemm_quant uses when forced so: "amx_int8", "avx512_vnni", "avx2" or "portable". */
+const char *quant_path_name(int force);
 #endif

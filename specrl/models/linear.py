@@ -273,18 +273,19 @@ def _onednn(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
 
 
-def _stream(x2: torch.Tensor, w: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
+def _stream(x2: torch.Tensor, w: torch.Tensor, prefetch: int = 0, path: int = 0) -> torch.Tensor:
     """x2 [M, IN] float32 contiguous, w blocked (`_blocked_pack`) float32/float16/bfloat16/int8 -> [M, OUT]
     float32 (OUT padded to a multiple of 16: PackedLinear cuts the padding off). bfloat16 weights
     multiply x rounded to bfloat16 (AMX, else AVX512-BF16), products summed in float32; int8 and 4-bit
     weights multiply x rounded to int8 per group of 32 (`quantize.matmul_reference`), prefetching `prefetch`
-    bytes ahead of each weight group (0: none)."""
+    bytes ahead of each weight group (0: none), on `path` (`_cpu_kernels.gemm`'s: 0 the best the CPU has,
+    PATH_AMX_INT8 AMX-INT8 tiles; every path gives the same bits)."""
     rows, in_features = x2.shape
     if x2.dtype != torch.float32 or _blocked_in_features(w) != in_features:
         raise ValueError(f"stream: x {list(x2.shape)} {x2.dtype} does not fit a blocked {list(w.shape)} weight")
     out = torch.empty(rows, w.shape[0] * BLOCK)
     cpu_kernels.gemm(out.data_ptr(), x2.data_ptr(), w.data_ptr(), rows, in_features, out.shape[1], KIND[w.dtype],
-                     torch.get_num_threads(), 0, prefetch)
+                     torch.get_num_threads(), path, prefetch)
     return out
 
 
@@ -299,7 +300,23 @@ def _stream_prefetch(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _stream(x2, w, PREFETCH_BYTES)
 
 
-STREAM_PREFETCH = {_stream: 0, _stream_prefetch: PREFETCH_BYTES}  # the stream calls -> their prefetch distance
+# int8 and 4-bit weights on AMX-INT8 tiles (_cpu_quant.c): one tile product a group for up to 16 rows instead of 8
+# VPDPBUSD a row, whose sums take a trip through memory to be scaled; a call of its own, which the calibration
+# times beside the VNNI ones per shape and row count, offered only where the CPU has the tiles. Measured on an AMX
+# Xeon (2 threads, one forward's matmuls, VNNI with prefetch / AMX, ms): q4 2.68 / 3.73 at 1 row, 3.44 / 4.68 at 5,
+# 5.09 / 5.47 at 8, 8.86 / 7.22 at 16; int8 4.51 / 4.65, 5.32 / 5.58, 6.78 / 6.59, 10.28 / 10.02. It prefetches
+# as "stream prefetch" does (without: 10% slower there).
+PATH_AMX_INT8 = 4  # _cpu_kernels.gemm's path
+AMX_INT8 = cpu_kernels is not None and cpu_kernels.path(BLOCK, 3, GROUP, PATH_AMX_INT8) == "amx_int8"
+
+
+def _stream_amx(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`_stream` on AMX-INT8 tiles, prefetching (int8 and 4-bit weights): the same bits."""
+    return _stream(x2, w, PREFETCH_BYTES, PATH_AMX_INT8)
+
+
+# the stream calls -> (gemm path, prefetch distance): what `_cpu_kernels.layer` takes per linear
+STREAM_ARGS = {_stream: (0, 0), _stream_prefetch: (0, PREFETCH_BYTES), _stream_amx: (PATH_AMX_INT8, PREFETCH_BYTES)}
 
 
 CALLS = {c.name: c for c in [
@@ -312,6 +329,7 @@ CALLS = {c.name: c for c in [
     Call("onednn", "onednn", _onednn),
     Call("stream", "blocked", _stream, dtypes=((F32, F32), (F16, F32), (I8, F32), (Q4, F32)) + ((BF16, F32),) * NATIVE_BF16),
     Call("stream prefetch", "blocked", _stream_prefetch, dtypes=((I8, F32), (Q4, F32))),
+    Call("stream amx", "blocked", _stream_amx, dtypes=((I8, F32), (Q4, F32)) * AMX_INT8),
     Call("upcast", "plain", lambda x2, w: F.linear(x2, w.to(x2.dtype)), dtypes=HALF),  # odd shapes
 ]}
 # the stream kernel's weight kinds, by the weight's dtype and by its packed storage's (4-bit: bytes)
@@ -358,11 +376,12 @@ class PackedLinear:
     def streams(self, rows: int) -> bool:
         """Whether `rows` rows take the stream kernel on unpadded blocked storage (what
         `_cpu_kernels.layer` calls directly)."""
-        return self._by_rows[min(rows, MAX_ROWS)] in STREAM_PREFETCH and self.out_features % BLOCK == 0
+        return self._by_rows[min(rows, MAX_ROWS)] in STREAM_ARGS and self.out_features % BLOCK == 0
 
-    def prefetch(self, rows: int) -> int:
-        """The prefetch distance in bytes of the stream call `rows` rows take (0: none, or not a stream call)."""
-        return STREAM_PREFETCH.get(self._by_rows[min(rows, MAX_ROWS)], 0)
+    def stream_args(self, rows: int) -> tuple[int, int]:
+        """(gemm path, prefetch distance in bytes) of the stream call `rows` rows take ((0, 0): the plain stream,
+        or not a stream call)."""
+        return STREAM_ARGS.get(self._by_rows[min(rows, MAX_ROWS)], (0, 0))
 
     def plain(self) -> torch.Tensor:
         """-> [OUT, IN]: the weight in the checkpoint's layout (a copy for a packed storage; float32

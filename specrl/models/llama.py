@@ -277,10 +277,11 @@ class DecoderLayer(nn.Module):
 
     def kernel_row(self, rows: int) -> tuple[int, ...]:
         """This layer's row of `_cpu_kernels.layers`'s table at `rows` rows: the four weights, their kind, the two
-        norms (pointers), then each linear's prefetch distance at that row count (what `layer` takes last)."""
+        norms (pointers), then each linear's stream call at that row count as (gemm path, prefetch distance) (what
+        `layer` takes last)."""
         w_qkv, w_o, w_gu, w_down, kind, norm_in, norm_post = self.kernel_weights()[:7]
         return (w_qkv, w_o, w_gu, w_down, kind, norm_in, norm_post,
-                *(getattr(self, name).prefetch(rows) for name in self.LINEARS))
+                *(arg for name in self.LINEARS for arg in getattr(self, name).stream_args(rows)))
 
     def kernel_weights(self) -> tuple:
         """The C layer call's fixed arguments (weights, kind, norms, eps, H, Wq, I), read once: they change only

@@ -9,12 +9,13 @@ from specrl.apps.bench.floors import add_floors, forward_work, kernel_instructio
 from specrl.models.calibration import cpu_info
 from specrl.models.linear import cpu_kernels
 from specrl.models.llama import load_llama
-from tests.models.test_prepared import ForcedPlan
+from tests.models.test_prepared import AmxPlan, ForcedPlan
 
 needs_kernels = pytest.mark.skipif(cpu_kernels is None, reason="the stream kernel is not built")
 FLAGS = cpu_info()[1]
 NEEDS = {"avx2_fma": {"avx2", "fma"}, "avx512_fma": {"avx512f"}, "avx2_int8": {"avx2"},
-         "avx512_vnni": {"avx512f", "avx512bw", "avx512_vnni"}, "avx512_bf16": {"avx512f", "avx512_bf16"}}
+         "avx512_vnni": {"avx512f", "avx512bw", "avx512_vnni"}, "avx512_bf16": {"avx512f", "avx512_bf16"},
+         "amx_bf16": {"amx_tile", "amx_bf16"}, "amx_int8": {"amx_tile", "amx_int8"}}
 
 
 @needs_kernels
@@ -43,6 +44,10 @@ def test_the_instruction_follows_the_weights_format_and_the_cpu(tiny_dir):
     assert kernel_instruction(blocked) in {"avx2_fma", "avx512_fma", None}
     rates = peak_rates([kernel_instruction(int8)], 1)
     assert set(rates) == ({kernel_instruction(int8)} - {None})
+    amx = load_llama(tiny_dir, plan=AmxPlan("blocked", torch.float32, torch.int8))  # "stream amx" at every row count
+    assert kernel_instruction(amx, 5) == ("amx_int8" if NEEDS["amx_int8"] <= FLAGS else kernel_instruction(int8))
+    work = forward_work(amx, "int8", (1, 5))
+    assert work["instruction_by_rows"] == {1: kernel_instruction(amx, 1), 5: kernel_instruction(amx, 5)}
 
 
 def test_forward_work_counts_every_streamed_weight_once_per_row(tiny_dir):
@@ -63,6 +68,10 @@ def test_each_point_reads_against_the_larger_floor():
               {"dtype": "q4", "batch": 1, "tokens": 16, "rows": 16, "context": 100, "median_ms": 20.0},
               {"dtype": "bfloat16", "batch": 2, "tokens": 8, "rows": 16, "context": 100, "median_ms": 30.0}]
     one, sixteen, no_peak = add_floors(points, work, read_gb_s=40.0, peaks={"avx2_int8": 200e9})
+    work["q4"]["instruction_by_rows"] = {16: "amx_int8"}  # a call of its own from 16 rows: its own peak there
+    one_again, tiles = add_floors(points[:2], work, read_gb_s=40.0, peaks={"avx2_int8": 200e9, "amx_int8": 1600e9})[:2]
+    assert one_again == one and tiles["instruction"] == "amx_int8"
+    assert tiles["compute_floor_ms"] == pytest.approx(1.0) and tiles["floor_ms"] == tiles["bytes_floor_ms"]
     assert one["bytes_floor_ms"] == pytest.approx((80e6 + 100 * 1000) / 40e9 * 1e3)  # 2.0025 ms
     assert one["compute_floor_ms"] == pytest.approx(0.5) and one["floor_ms"] == one["bytes_floor_ms"]
     assert sixteen["compute_floor_ms"] == pytest.approx(8.0) and sixteen["floor_ms"] == pytest.approx(8.0)

@@ -364,34 +364,50 @@ def test_a_prompt_computes_the_same_bits_alone_beside_a_longer_one_or_token_by_t
         assert torch.equal(cache.v[:, slot, :, :40], alone.v[:, 0, :, :40])
 
 
-class PrefetchPlan(ForcedPlan):
-    """Every layer linear on the stream kernel's prefetching call (int8 and 4-bit weights)."""
+class CallPlan(ForcedPlan):
+    """Every layer linear on one stream call of int8 and 4-bit weights (`call`, a subclass's)."""
+
+    call: str
 
     def choose(self, shape, *, head=False, tied=False):
         choice = super().choose(shape, head=head, tied=tied)
         if choice.storage != "blocked":
             return choice
-        return Choice("blocked", choice.buckets, ("stream prefetch",) * len(choice.buckets), choice.slowdown,
+        return Choice("blocked", choice.buckets, (self.call,) * len(choice.buckets), choice.slowdown,
                       choice.expected_ms)
 
 
+class PrefetchPlan(CallPlan):
+    call = "stream prefetch"
+
+
+class AmxPlan(CallPlan):
+    call = "stream amx"
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.quint4x2])
-def test_the_prefetching_call_computes_the_same_bits_in_the_layer_loop(tiny_dir, weight_dtype):
-    """"stream prefetch" only reads ahead: a forward through it, in the C layer loop, equals the plain stream
-    call's to the bit, and the layer loop passes each linear's distance."""
-    from specrl.models.linear import PREFETCH_BYTES
+@pytest.mark.parametrize("plan_class", [PrefetchPlan, AmxPlan])
+def test_every_stream_call_computes_the_same_bits_in_the_layer_loop(tiny_dir, weight_dtype, plan_class):
+    """"stream prefetch" only reads ahead, and "stream amx" sums each group on AMX-INT8 tiles: a forward through
+    either, in the C layer loop, equals the plain stream call's to the bit, and the layer loop passes each
+    linear's (gemm path, prefetch distance)."""
+    from specrl.models.linear import AMX_INT8, CALLS, PATH_AMX_INT8, PREFETCH_BYTES
 
     if cpu_kernels is None:
         pytest.skip("the stream kernel is not built")
+    if not CALLS[plan_class.call].dtypes:
+        assert plan_class is AmxPlan and not AMX_INT8  # offered only where the CPU has AMX-INT8
+        pytest.skip("this CPU has no AMX-INT8 tiles")
     plain = load_llama(tiny_dir, plan=ForcedPlan("blocked", torch.float32, weight_dtype))
-    ahead = load_llama(tiny_dir, plan=PrefetchPlan("blocked", torch.float32, weight_dtype))
-    layer = ahead.layers[0]
-    assert all(getattr(layer, n).streams(3) and getattr(layer, n).prefetch(3) == PREFETCH_BYTES for n in layer.LINEARS)
-    assert plain.layers[0].qkv.prefetch(3) == 0
+    other = load_llama(tiny_dir, plan=plan_class("blocked", torch.float32, weight_dtype))
+    layer = other.layers[0]
+    want_args = (0 if plan_class is PrefetchPlan else PATH_AMX_INT8, PREFETCH_BYTES)
+    assert all(getattr(layer, n).streams(3) and getattr(layer, n).stream_args(3) == want_args for n in layer.LINEARS)
+    assert plain.layers[0].qkv.stream_args(3) == (0, 0)
     tokens, slots, start = torch.tensor([[3, 17, 5], [9, 2, 40]]), torch.tensor([0, 1]), torch.tensor([4, 7])
     with torch.inference_mode():
         want = plain(tokens, slots, start, plain.new_cache(2, 16))
-        got = ahead(tokens, slots, start, ahead.new_cache(2, 16))
+        got = other(tokens, slots, start, other.new_cache(2, 16))
     assert torch.equal(want, got)
 
 

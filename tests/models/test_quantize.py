@@ -8,6 +8,7 @@ import torch
 
 from specrl.models.linear import BLOCK, CALLS, KIND, PackedLinear, cpu_kernels
 from specrl.errors import InvalidRequestError
+from specrl.models.calibration import cpu_info
 from specrl.models.quantize import GROUP, Int8Weight, Q4Weight, matmul_reference, quantize_activations
 
 pytestmark = pytest.mark.skipif(cpu_kernels is None, reason="the stream kernel is not built")
@@ -82,11 +83,12 @@ def test_blocked_q4_round_trip_and_rows(shape):
 
 @pytest.mark.parametrize("fmt", [Int8Weight, Q4Weight])
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (48, 64), (40, 32)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 17])  # every register tile's row count on each path
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 16, 17])  # every register tile's row count on each path
 def test_stream_matches_the_reference_bit_for_bit_on_every_path(fmt, shape, rows):
     """int8 and 4-bit weights times x quantized to int8 per group (integer sums, then one fused multiply-add a
-    group in one order): the best path (AVX-512 VNNI here, or AVX2), AVX2 forced and portable C give the same
-    bits, each row of a many-row call equals the row alone, and all match the float64 reference."""
+    group in one order): the best path (AVX-512 VNNI here, or AVX2), AVX2 forced, AMX-INT8 tiles (16 rows a tile:
+    17 rows take two) and portable C give the same bits, each row of a many-row call equals the row alone, and all
+    match the float64 reference."""
     q = fmt.from_float(_weight(*shape, seed=rows))
     packed = PackedLinear(q, "blocked", (1,), ("stream",))
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
@@ -94,7 +96,7 @@ def test_stream_matches_the_reference_bit_for_bit_on_every_path(fmt, shape, rows
     got = packed(x)
     torch.testing.assert_close(got, matmul_reference(x, q), atol=1e-5, rtol=1e-4)
     padded = packed.stored.shape[0] * BLOCK
-    for path in (1, 3):  # portable C, AVX2 (C where the CPU has no AVX2)
+    for path in (1, 3, 4):  # portable C, AVX2 (C where the CPU has no AVX2), AMX-INT8 (the best path where none)
         forced = torch.empty(rows, padded)
         cpu_kernels.gemm(forced.data_ptr(), x.data_ptr(), packed.stored.data_ptr(), rows, shape[1], padded,
                          KIND[packed.dtype], 2, path)
@@ -141,6 +143,9 @@ def test_activations_are_quantized_per_group_of_32():
 
 def test_the_quantized_path_is_named():
     assert cpu_kernels.path(64, KIND[torch.int8]) in {"avx512_vnni", "avx2", "portable"}
+    amx = cpu_kernels.path(64, KIND[torch.int8], 32, 4)  # AMX-INT8 tiles where the CPU has them
+    assert amx == ("amx_int8" if {"amx_tile", "amx_int8"} <= cpu_info()[1] else cpu_kernels.path(64, KIND[torch.int8]))
+    assert bool(CALLS["stream amx"].dtypes) == (amx == "amx_int8")  # the calibration's call only where it runs
 
 
 def test_the_stream_call_takes_int8_and_4bit_weights_with_float32_inputs():

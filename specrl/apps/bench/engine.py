@@ -198,7 +198,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
         _progress(f"forward cost curve ({dtype})")
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
         splits += [s for s in [forward_split(spec.target, dtype)] if s is not None]
-        work[dtype] = forward_work(spec.target, dtype)
+        work[dtype] = forward_work(spec.target, dtype, tuple(sorted({p["rows"] for p in curve if p["dtype"] == dtype})))
         if memory is None:  # the first dtype's (float32 unless --dtypes says otherwise): the memory limit is its
             memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
                                                 "native_spec_drafter": spec.draft_cache}, baseline)
@@ -207,7 +207,8 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
         gc.collect()
     bandwidth = read_bandwidth_gb_s()
     _progress("the floors: peak multiply-add rates of the kernels' instructions")
-    peaks = peak_rates((w["instruction"] for w in work.values()), threads)
+    peaks = peak_rates((i for w in work.values() for i in (w["instruction"], *w["instruction_by_rows"].values())),
+                       threads)
     curve = add_floors(curve, work, bandwidth, peaks)
     rows += _hf_rows(model_dir, prompts, batch_sizes, new_tokens)
     if VLLM in backends:

@@ -7,15 +7,16 @@ For one target forward over B sequences x T positions each (a point of the forwa
   cache's bytes a position);
 - compute floor: the multiply-adds of the forward's linears (B x T rows x every streamed weight's
   in x out; attention's few are left out) over the measured peak rate of the instruction the dtype's kernel
-  multiplies with, on the same threads (`_cpu_peak.c`: a loop of that instruction alone).
+  multiplies with, on the same threads (`_cpu_peak.c`: a loop of that instruction alone; for AMX, of full
+  16-row tiles, so under 16 rows the compute floor is optimistic).
 The floor is the larger of the two; a point reads as its median over the floor ("1.8x of its floor").
 At one row the bytes floor decides; past a few rows the compute floor does, and how fast it rises with rows
 says how much room a kernel has to make extra positions nearly free.
 
 The instruction is the one `_cpu_kernels.path` says the dtype's weights take on this CPU: float32 and
 float16 weights FMA (AVX2 or AVX-512), int8 and q4 integer dot products (AVX2's VPMADDUBSW + VPMADDWD or
-AVX-512 VNNI's VPDPBUSD), bfloat16 VDPBF16PS. AMX's tiles have no loop here yet: a bfloat16 forward on an
-AMX CPU gets the bytes floor only (`instruction` None), as does any weight outside the stream kernel.
+AVX-512 VNNI's VPDPBUSD, or AMX-INT8's TDPBSUD), bfloat16 VDPBF16PS or AMX-BF16's TDPBF16PS. A weight outside
+the stream kernel gets the bytes floor only (`instruction` None).
 """
 
 from __future__ import annotations
@@ -28,29 +29,32 @@ from specrl.models.linear import KIND, PackedLinear, cpu_kernels
 _FLOAT_KINDS, _INT_KINDS = (KIND[torch.float32], KIND[torch.float16]), (KIND[torch.int8], KIND[torch.uint8])
 _INSTRUCTION = {("avx2", _FLOAT_KINDS): "avx2_fma", ("avx512f", _FLOAT_KINDS): "avx512_fma",
                 ("avx2", _INT_KINDS): "avx2_int8", ("avx512_vnni", _INT_KINDS): "avx512_vnni",
-                ("avx512_bf16", (KIND[torch.bfloat16],)): "avx512_bf16"}
+                ("avx512_bf16", (KIND[torch.bfloat16],)): "avx512_bf16", ("amx", (KIND[torch.bfloat16],)): "amx_bf16",
+                ("amx_int8", _INT_KINDS): "amx_int8"}
 
 
-def kernel_instruction(model) -> str | None:
-    """The instruction the model's streamed weights multiply with on this CPU (the first linear's path; every
-    linear of one dtype takes the same), or None where the peak of that path is not measured here."""
+def kernel_instruction(model, rows: int = 1) -> str | None:
+    """The instruction the model's streamed weights multiply with on this CPU at `rows` rows (the path of the call
+    the first linear takes there: int8 and q4 may take AMX-INT8 tiles from some row count on), or None where the
+    peak of that path is not measured here."""
     weight = model.streamed_weights()[0]
     if cpu_kernels is None or not isinstance(weight, PackedLinear):
         return None
     kind = KIND[weight.stored.dtype]
-    path = cpu_kernels.path(weight.out_features, kind, weight.in_features)
+    path = cpu_kernels.path(weight.out_features, kind, weight.in_features, weight.stream_args(rows)[0])
     return next((name for (p, kinds), name in _INSTRUCTION.items() if p == path and kind in kinds), None)
 
 
-def forward_work(model, dtype_label: str) -> dict:
+def forward_work(model, dtype_label: str, rows: tuple[int, ...] = ()) -> dict:
     """What a forward of `model` must read and compute, per dtype: {dtype, weight_bytes, kv_bytes_per_position,
-    macs_per_row, instruction}."""
+    macs_per_row, instruction (at one row), instruction_by_rows (at each of `rows`)}."""
     cfg = model.cfg
     shapes = [w.shape if isinstance(w, PackedLinear) else tuple(w.shape) for w in model.streamed_weights()]
     element = torch.empty((), dtype=model.dtype).element_size()  # the KV cache holds the model's dtype
     return {"dtype": dtype_label, "weight_bytes": model.streamed_weight_bytes(),
             "kv_bytes_per_position": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element,
-            "macs_per_row": sum(out * inp for out, inp in shapes), "instruction": kernel_instruction(model)}
+            "macs_per_row": sum(out * inp for out, inp in shapes), "instruction": kernel_instruction(model),
+            "instruction_by_rows": {r: kernel_instruction(model, r) for r in rows}}
 
 
 def peak_rates(instructions, threads: int) -> dict[str, float]:
@@ -72,11 +76,12 @@ def add_floors(points: list[dict], work: dict[str, dict], read_gb_s: float, peak
         w = work[p["dtype"]]
         nbytes = w["weight_bytes"] + p["batch"] * p["context"] * w["kv_bytes_per_position"]
         bytes_ms = nbytes / (read_gb_s * 1e9) * 1e3
-        peak = peaks.get(w["instruction"])
+        instruction = w.get("instruction_by_rows", {}).get(p["rows"], w["instruction"])
+        peak = peaks.get(instruction)
         compute_ms = p["rows"] * w["macs_per_row"] / peak * 1e3 if peak else None
         floor_ms = max(bytes_ms, compute_ms or 0.0)
         out.append({**p, "bytes_floor_ms": bytes_ms, "compute_floor_ms": compute_ms, "floor_ms": floor_ms,
-                    "of_floor": p["median_ms"] / floor_ms, "instruction": w["instruction"]})
+                    "of_floor": p["median_ms"] / floor_ms, "instruction": instruction})
     return out
 
 
@@ -90,8 +95,8 @@ def print_floors(curve: dict) -> None:
         points = [p for p in curve["rows"] if p["dtype"] == dtype and "floor_ms" in p]
         if not points:
             continue
-        print(f"forward ms ({dtype}, {points[0]['instruction'] or 'no peak'}), x of its floor "
-              f"(b: bytes decide, c: compute):")
+        instructions = ", ".join(dict.fromkeys(p["instruction"] or "no peak" for p in points))
+        print(f"forward ms ({dtype}, {instructions}), x of its floor (b: bytes decide, c: compute):")
         for batch in dict.fromkeys(p["batch"] for p in points):
             cells = [f"T={p['tokens']} {p['median_ms']:.2f} {p['of_floor']:.2f}x"
                      f"{'c' if (p['compute_floor_ms'] or 0) > p['bytes_floor_ms'] else 'b'}"

@@ -60,7 +60,7 @@ def forward_split(model, dtype_label: str, repeats: int = 30, context: int = CON
             middle = time.perf_counter()
             for w, x, out in calls:
                 cpu_kernels.gemm(out.data_ptr(), x.data_ptr(), w.stored.data_ptr(), 1, w.in_features, w.out_features,
-                                 KIND[w.stored.dtype], torch.get_num_threads(), 0, w.prefetch(1))
+                                 KIND[w.stored.dtype], torch.get_num_threads(), *w.stream_args(1))
             if rep:
                 forward.append((middle - started) * 1000)
                 matmuls.append((time.perf_counter() - middle) * 1000)

@@ -76,13 +76,13 @@ def candidates(fmt: str) -> list[Candidate]:
 
 
 def _stream(fmt: str, call: str = "stream") -> Candidate | None:
-    """The stream kernel through `call` ("stream"; int8 and q4 also "stream prefetch", which the calibration
-    times beside it on each machine)."""
+    """The stream kernel through `call` ("stream"; int8 and q4 also "stream prefetch" and, where the CPU has
+    AMX-INT8, "stream amx", which the calibration times beside it on each machine)."""
     from specrl.models.calibration import DTYPES, convert
-    from specrl.models.linear import NATIVE_BF16, PackedLinear, cpu_kernels
+    from specrl.models.linear import CALLS, NATIVE_BF16, PackedLinear, cpu_kernels
     from specrl.models.quantize import bytes_per_weight
 
-    if cpu_kernels is None or (fmt == "bfloat16" and not NATIVE_BF16):
+    if cpu_kernels is None or (fmt == "bfloat16" and not NATIVE_BF16) or not CALLS[call].dtypes:
         return None
     dtype = DTYPES[fmt]
     return Candidate(f"{call} {fmt} (specrl)", fmt, lambda w: PackedLinear(convert(w, dtype), "blocked", (1,), (call,)),
@@ -104,7 +104,7 @@ def _int8() -> list:
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
         return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
-    found = [_stream("int8"), _stream("int8", "stream prefetch"),
+    found = [_stream("int8"), _stream("int8", "stream prefetch"), _stream("int8", "stream amx"),
              Candidate("aten._weight_int8pack_mm (torch)", "int8", int8pack,
                        lambda x2, p: torch.ops.aten._weight_int8pack_mm(x2, p[0], p[1]), 1 + 4 / 576)]
     return found + _torchao_int8()
@@ -143,7 +143,7 @@ def _q4() -> list:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.q.to(torch.int32), 1)
         return packed, torch.stack([scale, minimum + 8 * scale], dim=-1).contiguous()
 
-    return [_stream("q4"), _stream("q4", "stream prefetch"),
+    return [_stream("q4"), _stream("q4", "stream prefetch"), _stream("q4", "stream amx"),
             Candidate("aten._weight_int4pack_mm_for_cpu (torch)", "q4", int4pack,
                       lambda x2, p: torch.ops.aten._weight_int4pack_mm_for_cpu(x2, p[0], GROUP, p[1]), 0.5 + 8 / GROUP)]
 

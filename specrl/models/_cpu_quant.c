@@ -363,8 +363,12 @@ static const tile_fn avx2_i8[] = TILE_TABLE(avx2, KIND_I8), avx2_q4[] = TILE_TAB
  * 8 R VPDPBUSD (and their broadcasts) of a group.
  * The sums reach the vector unit only through memory (a tile store), and a tile load of q4's unpacked bytes
  * only after their vector stores: neither forwards, each waits for the stores to reach L1. So the loop is
- * pipelined by chunks of 4 groups: chunk c's products (4 accumulator tiles) and stores, then chunk c + 1's unpacking,
- * then chunk c - 1's float steps, each reading what an earlier chunk stored. */
+ * pipelined by chunks of 4 groups: chunk c's products (4 accumulator tiles) and stores, then chunk c + 1's unpacking
+ * (int8's groups are copied: a tile load straight from the stream was slower), then chunk c - 1's float steps, each
+ * reading what an earlier step stored. Where it pays: from about 8-16 rows. A tile product of K = 32 (a group:
+ * each has its own scales) keeps the unit busy about as long as a full one, so at few rows the 8 R VPDPBUSD it
+ * replaces cost less (1 thread, weights in L2, ns a group of one block, VNNI / AMX: q4 7.3 / 19.1 at 1 row,
+ * 17.4 / 25.9 at 5, 28.7 / 29.9 at 8, 52.7 / 38.7 at 16). */
 #define AMX_I8 "amx-tile,amx-int8,avx512f,avx512bw,f16c"
 #define AMX_CHUNK 4 /* groups a chunk: accumulator tiles 0-3, A tiles 4-5 and B tiles 6-7 alternate */
 #define AMX_ROWS _Pragma("GCC unroll 16")
@@ -391,13 +395,19 @@ __attribute__((target("amx-tile"))) static void amx_rows(int64_t R) {
     }
 
 #define AMX_BLOCK(KIND)                                                                                               \
-    /* q4: group grp's nibbles -> the B tile's 8 rows of 64 bytes */                                                 \
-    __attribute__((target(AMX_I8), always_inline)) static inline void amx_unpack_##KIND(const uint8_t *grp, uint8_t *tile) {         \
+    /* group grp's weights -> the B tile's 8 rows of 64 bytes in L1 (q4: its nibbles split; int8: copied, since a \
+     * tile load from beyond L1 was measured 3x slower: 36 against 19 ns a group at one row, 1 thread, from L2) */ \
+    __attribute__((target(AMX_I8), always_inline)) static inline void amx_unpack_##KIND(const uint8_t *grp, uint8_t *tile) { \
         const __m512i low4 = _mm512_set1_epi8(15);                                                                    \
-        UNROLL for (int r = 0; r < 4; r++) {                                                                          \
+        (void)low4;                                                                                                   \
+        UNROLL for (int r = 0; r < 8 / (KIND == KIND_Q4 ? 2 : 1); r++) {                                              \
             const __m512i bytes = _mm512_loadu_si512(grp + r * 64);                                                   \
-            _mm512_store_si512(tile + 128 * r, _mm512_and_si512(bytes, low4));                                        \
-            _mm512_store_si512(tile + 128 * r + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));             \
+            if (KIND == KIND_Q4) {                                                                                    \
+                _mm512_store_si512(tile + 128 * r, _mm512_and_si512(bytes, low4));                                    \
+                _mm512_store_si512(tile + 128 * r + 64, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));         \
+            } else {                                                                                                  \
+                _mm512_store_si512(tile + 64 * r, bytes);                                                             \
+            }                                                                                                         \
         }                                                                                                             \
     }                                                                                                                 \
     /* the float steps of groups g0..g0+n-1 from their stored sums, in group order (the VNNI path's) */              \
@@ -431,26 +441,23 @@ __attribute__((target("amx-tile"))) static void amx_rows(int64_t R) {
         const int64_t G = K / GROUP;                                                                                  \
         const size_t gb = group_bytes(KIND);                                                                          \
         _Alignas(64) int32_t sums[2][AMX_CHUNK][16][BLOCK]; /* chunk c's in sums[c % 2] */                             \
-        _Alignas(64) uint8_t unpacked[2][AMX_CHUNK][8 * 64]; /* q4: chunk c's B tiles in unpacked[c % 2] */           \
+        _Alignas(64) uint8_t unpacked[2][AMX_CHUNK][8 * 64]; /* chunk c's B tiles in unpacked[c % 2] */               \
         __m512 acc[16];                                                                                               \
         AMX_ROWS for (int64_t i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                        \
         const uint8_t *wb = w + (size_t)b0 * G * gb;                                                                  \
-        if (KIND == KIND_Q4)                                                                                          \
-            for (int64_t j = 0; j < AMX_CHUNK && j < G; j++) amx_unpack_##KIND(wb + j * gb, unpacked[0][j]);         \
+        for (int64_t j = 0; j < AMX_CHUNK && j < G; j++) amx_unpack_##KIND(wb + j * gb, unpacked[0][j]);             \
         for (int64_t c = 0, g0 = 0; g0 < G; c++, g0 += AMX_CHUNK) {                                                   \
             const int64_t n = G - g0 < AMX_CHUNK ? G - g0 : AMX_CHUNK;                                                \
             const uint8_t *grp = wb + g0 * gb;                                                                        \
             PREFETCH(grp, AMX_CHUNK * gb)                                                                             \
             int32_t(*out_sums)[16][BLOCK] = sums[c % 2];                                                              \
-            const uint8_t *src[AMX_CHUNK];                                                                            \
-            for (int j = 0; j < AMX_CHUNK; j++) src[j] = KIND == KIND_Q4 ? unpacked[c % 2][j] : grp + j * gb;         \
-            AMX_PRODUCT(0, 4, 6, g0, src[0], out_sums[0])                                                             \
-            if (n > 1) AMX_PRODUCT(1, 5, 7, g0 + 1, src[1], out_sums[1])                                              \
-            if (n > 2) AMX_PRODUCT(2, 4, 6, g0 + 2, src[2], out_sums[2])                                              \
-            if (n > 3) AMX_PRODUCT(3, 5, 7, g0 + 3, src[3], out_sums[3])                                              \
-            if (KIND == KIND_Q4)                                                                                      \
-                for (int64_t j = 0; j < AMX_CHUNK && g0 + AMX_CHUNK + j < G; j++)                                     \
-                    amx_unpack_##KIND(grp + (AMX_CHUNK + j) * gb, unpacked[(c + 1) % 2][j]);                          \
+            uint8_t(*tiles)[8 * 64] = unpacked[c % 2];                                                                \
+            AMX_PRODUCT(0, 4, 6, g0, tiles[0], out_sums[0])                                                           \
+            if (n > 1) AMX_PRODUCT(1, 5, 7, g0 + 1, tiles[1], out_sums[1])                                            \
+            if (n > 2) AMX_PRODUCT(2, 4, 6, g0 + 2, tiles[2], out_sums[2])                                            \
+            if (n > 3) AMX_PRODUCT(3, 5, 7, g0 + 3, tiles[3], out_sums[3])                                            \
+            for (int64_t j = 0; j < AMX_CHUNK && g0 + AMX_CHUNK + j < G; j++)                                         \
+                amx_unpack_##KIND(grp + (AMX_CHUNK + j) * gb, unpacked[(c + 1) % 2][j]);                              \
             if (c) amx_scale_##KIND(a, w, acc, sums[(c + 1) % 2], G, m0, R, b0, g0 - AMX_CHUNK, AMX_CHUNK);          \
         }                                                                                                             \
         const int64_t last = (G - 1) / AMX_CHUNK * AMX_CHUNK; /* the last chunk's first group */                    \

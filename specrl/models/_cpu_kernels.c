@@ -873,6 +873,23 @@ __attribute__((target("avx2"))) static int64_t argmax_avx2(const float *x, int64
     return 0; /* only for non-finite input */
 }
 
+static PyObject *py_quant_rows(PyObject *self, PyObject *args) {
+    unsigned long long out, w, ids;
+    long long n, K, N;
+    int kind;
+    if (!PyArg_ParseTuple(args, "KKKLLLi", &out, &w, &ids, &n, &K, &N, &kind)) return NULL;
+    if (n < 0 || K < 32 || K % 32 || N < 0 || N % BLOCK || (kind != W_I8 && kind != W_Q4)) {
+        PyErr_SetString(PyExc_ValueError, "quant_rows: K a multiple of 32, N of 16, kind 3 (int8) or 4 (4-bit)");
+        return NULL;
+    }
+    if (quant_rows((const void *)(uintptr_t)w, (const int64_t *)(uintptr_t)ids, n, K, N, kind,
+                   (float *)(uintptr_t)out)) {
+        PyErr_SetString(PyExc_IndexError, "quant_rows: a row id outside the weight's rows");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_argmax_rows(PyObject *self, PyObject *args) {
     row_op_args a;   /* cols: V */
     if (!parse_row_op(args, "argmax_rows", &a)) return NULL;
@@ -1071,6 +1088,9 @@ static PyMethodDef methods[] = {
      "writes buffer i % 2 (the last layer's output: buffer (L - 1) % 2)"},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(out_ptr, gate_up_ptr, rows, I, portable=False): out[r] = silu(gate_up[r, :I]) * gate_up[r, I:], float32"},
+    {"quant_rows", py_quant_rows, METH_VARARGS,
+     "quant_rows(out, w, ids, n, K, N, kind): out[n, K] float32 = rows ids (int64, each in [0, N)) of an int8 (kind "
+     "3) or 4-bit (kind 4) blocked weight of N rows (a multiple of 16), dequantized: an embedding lookup"},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,
      "argmax_rows(out, x, rows, V, portable=False): out[r] (int64) = first index of the max of row r of x (float32)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,

@@ -501,6 +501,43 @@ __attribute__((target("amx-tile"))) static void amx_blocks(const acts *a, const 
     _tile_release();
 }
 
+/* ---- rows: an embedding lookup from the packed weights --------------------------------------- */
+
+/* Weight rows `ids` (outputs) dequantized to float32 [n, K]: a tied head's embedding lookup, without unpacking
+ * whole blocks. int8: float(q) * s; 4-bit: float(q) * d + m, two roundings (no fused multiply-add: the same bits
+ * as specrl.models.linear's torch reference, `_quantized_rows`). */
+__attribute__((optimize("fp-contract=off"))) int quant_rows(const void *w, const int64_t *ids, int64_t n, int64_t K,
+                                                             int64_t N, int kind, float *out) {
+    const int64_t G = K / GROUP;
+    const size_t gb = group_bytes(kind);
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= N) return -1;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t block = ids[r] / BLOCK, j = ids[r] % BLOCK;
+        float *row = out + r * K;
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *grp = (const uint8_t *)w + ((size_t)block * G + g) * gb;
+            if (kind == KIND_I8) {
+                float scale;
+                memcpy(&scale, grp + 512 + 4 * j, 4);
+                for (int i = 0; i < GROUP; i++)
+                    row[g * GROUP + i] = (float)(int8_t)(grp[(i / 4) * 64 + 4 * j + i % 4] ^ 0x80) * scale;
+            } else {
+                uint16_t d16, m16;
+                memcpy(&d16, grp + 256 + 2 * j, 2);
+                memcpy(&m16, grp + 288 + 2 * j, 2);
+                const float d = half_to_float(d16), m = half_to_float(m16);
+                for (int i = 0; i < GROUP; i++) {
+                    const uint8_t byte = grp[(i / 8) * 64 + 4 * j + i % 4];
+                    const float scaled = (float)(i % 8 < 4 ? byte & 15 : byte >> 4) * d;
+                    row[g * GROUP + i] = scaled + m;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---- dispatch ---------------------------------------------------------------------------- */
 
 enum { Q_VNNI, Q_AVX2, Q_PORTABLE, Q_AMX };

@@ -19,6 +19,10 @@ enum { QUANT_BEST, QUANT_PORTABLE, QUANT_AVX2, QUANT_AMX };
 int gemm_quant(const float *x, const void *w, float *out, int64_t M, int64_t K, int64_t N, int kind, int threads,
                int force, int64_t prefetch);
 
+/* Rows `ids` (n of them, each in [0, N)) of W blocked as gemm_quant takes it, dequantized -> out [n, K] float32.
+ * 0, or -1 for an id outside [0, N). */
+int quant_rows(const void *w, const int64_t *ids, int64_t n, int64_t K, int64_t N, int kind, float *out);
+
 /* The instruction set gemm_quant uses when forced so: "amx_int8", "avx512_vnni", "avx2" or "portable". */
 const char *quant_path_name(int force);
 #endif

@@ -82,6 +82,25 @@ def test_blocked_q4_round_trip_and_rows(shape):
 
 
 @pytest.mark.parametrize("fmt", [Int8Weight, Q4Weight])
+def test_row_lookup_in_c_equals_the_torch_reference_and_refuses_ids_outside(fmt):
+    """A tied head's embedding lookup (`_cpu_kernels.quant_rows`) dequantizes exactly what the torch reference
+    (`_quantized_rows`, the path without the kernel) does, for any ids, repeats and order included; an id outside
+    the weight's rows is an IndexError, never a read past it."""
+    from specrl.models.linear import _quantized_rows
+
+    if cpu_kernels is None:
+        pytest.skip("the stream kernel is not built")
+    packed = PackedLinear(fmt.from_float(_weight(80, 96, seed=3)), "blocked", (1,), ("stream",))
+    ids = torch.tensor([0, 79, 17, 17, 5, 64, 31])
+    want = _quantized_rows(packed.stored.index_select(0, ids // BLOCK), ids % BLOCK)
+    assert torch.equal(packed.rows(ids), want)
+    assert packed.rows(ids[None, :3]).shape == (1, 3, 96)
+    for bad in (torch.tensor([80]), torch.tensor([3, -1])):
+        with pytest.raises(IndexError):
+            packed.rows(bad)
+
+
+@pytest.mark.parametrize("fmt", [Int8Weight, Q4Weight])
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (48, 64), (40, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 16, 17])  # every register tile's row count on each path
 def test_stream_matches_the_reference_bit_for_bit_on_every_path(fmt, shape, rows):

@@ -65,11 +65,14 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
     ms = {(r["batch"], r["tokens"]): r["median_ms"] for r in curve["rows"] if r["dtype"] == "float32"}
     assert curve["ratios"]["float32"]["b1_t5_over_b1_t1"] == pytest.approx(ms[1, 5] / ms[1, 1])
     assert (tmp_path / "forward-curve.png").read_bytes()[:8] == PNG_SIGNATURE
+    steps = report["step_split"]  # a plain B=1 step against its bare forward, per dtype
+    assert [s["dtype"] for s in steps] == dtypes and all(s["step_ms"] > 0 and s["forward_ms"] > 0 for s in steps)
     assert curve["read_gb_s"] == bandwidth["read_gb_s"] and set(curve["work"]) == set(dtypes)
     for r in curve["rows"]:  # each point against its floors (floors.py; the arithmetic: tests/bench/test_floors.py)
         work = curve["work"][r["dtype"]]
-        assert r["instruction"] == work["instruction"] and r["bytes_floor_ms"] > 0
-        assert (r["compute_floor_ms"] is None) == (work["instruction"] not in curve["peak_macs_per_s"])
+        instruction = work["instruction_by_rows"][str(r["rows"])]  # the call its row count takes (JSON keys)
+        assert r["instruction"] == instruction and r["bytes_floor_ms"] > 0
+        assert (r["compute_floor_ms"] is None) == (instruction not in curve["peak_macs_per_s"])
         assert r["floor_ms"] == max(r["bytes_floor_ms"], r["compute_floor_ms"] or 0)
         assert r["of_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
 

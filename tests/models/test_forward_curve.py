@@ -35,3 +35,18 @@ def test_forward_split_times_a_forward_against_its_own_matmuls(tiny_dir):
     assert split["forward_ms"] > 0 and split["matmul_ms"] > 0
     assert split["outside_ms"] == pytest.approx(split["forward_ms"] - split["matmul_ms"])
     assert split["matmul_gb_s"] == pytest.approx(split["weight_bytes"] / split["matmul_ms"] / 1e6)
+
+
+def test_step_split_times_the_engine_step_against_its_bare_forward(make_engine):
+    """A plain engine's decode steps after the first token, against as many bare forwards of its own model at the
+    same positions: the split's parts add up, and the engine is left with no work (every request finished)."""
+    import pytest
+
+    from specrl.apps.bench.step_split import step_split
+
+    engine = make_engine(drafter="none", suffix_capacity=0)
+    split = step_split(engine, [5, 9, 2, 7], "float32", tokens=6, repeats=2)
+    assert split["dtype"] == "float32" and split["tokens"] == 6 and split["repeats"] == 2
+    assert split["step_ms"] > 0 and split["forward_ms"] > 0
+    assert split["outside_ms"] == pytest.approx(split["step_ms"] - split["forward_ms"])
+    assert not engine.has_work()

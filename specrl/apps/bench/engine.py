@@ -34,7 +34,8 @@ for tokens/s and TTFT. Besides throughput the report holds:
   group of 32) and q4 (Q4_1) where the stream kernel is built, beside float32, with the CPU flags that
   decided it (`--dtypes` picks some);
 - per dtype, one B=1 forward against its own matmuls alone (`forward_split`): the milliseconds a token costs
-  beyond reading the weights;
+  beyond reading the weights; and a plain B=1 decode step against its bare forward (`step_split`): what the
+  engine costs beyond the model;
 - with `--backend ...,llamacpp`, llama.cpp's `llama-batched-bench` on the same weights as GGUFs, right after
   our rows of each dtype (`llamacpp.py`: its builds, GGUFs and rows), and the decode ratios native / llama.cpp;
 - the process's peak RSS after the native runs, before HF loads its copy of the model,
@@ -60,6 +61,7 @@ from specrl.apps.bench.backends import (LLAMACPP, NATIVE, VLLM, add_backends_fla
                                         ratio, read_bandwidth_gb_s, settings_record, vllm_version)
 from specrl.apps.bench.floors import add_floors, forward_work, peak_rates, print_floors
 from specrl.apps.bench.forward_curve import forward_cost_curve, forward_split, plot_forward_curve
+from specrl.apps.bench.step_split import step_split
 from specrl.apps.bench.vllm_engine import DTYPE_SUFFIX, VLLM_PLAIN, VLLM_SPEC, vllm_rows
 from specrl.apps.flags import COMMON, ENGINE, add_settings, settings_from
 from specrl.config import Settings
@@ -176,7 +178,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
          backends: tuple[str, ...], dtypes: tuple[str, ...], llamacpp_bin: str | None) -> dict:
     drafter = spec_drafter(settings)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes), threads=threads, drafter=drafter)
-    rows, curve, splits, memory, weight_bytes, work = [], [], [], None, {}, {}
+    rows, curve, splits, step_splits, memory, weight_bytes, work = [], [], [], [], None, {}, {}
     # llama.cpp's binaries first (a build shows progress; a failed one is one line and no rows)
     llamacpp_builds = llamacpp.builds(settings.home, llamacpp_bin, cpu_info()[1]) if LLAMACPP in backends else []
     baseline = _rss()  # python, torch and transformers imported, no model yet
@@ -198,6 +200,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
         _progress(f"forward cost curve ({dtype})")
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
         splits += [s for s in [forward_split(spec.target, dtype)] if s is not None]
+        step_splits.append(step_split(plain, prompts[0], dtype))
         work[dtype] = forward_work(spec.target, dtype, tuple(sorted({p["rows"] for p in curve if p["dtype"] == dtype})))
         if memory is None:  # the first dtype's (float32 unless --dtypes says otherwise): the memory limit is its
             memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
@@ -224,6 +227,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
     result["forward_curve"] = {"rows": curve, "ratios": curve_ratios(curve), "read_gb_s": bandwidth,
                                "peak_macs_per_s": peaks, "work": work}
     result["forward_split"] = splits
+    result["step_split"] = step_splits
     _print_table(result)
     _write_report(result, out)
     plot_forward_curve(curve, out / "forward-curve.png")
@@ -482,6 +486,9 @@ def _print_table(result: dict) -> None:
         print(f"B=1 forward ({split['dtype']}): {split['forward_ms']:.2f} ms, of which matmuls {split['matmul_ms']:.2f} ms "
               f"({split['weight_bytes'] / 1e6:.0f} MB at {split['matmul_gb_s']:.1f} GB/s), outside them "
               f"{split['outside_ms']:.2f} ms")
+    for split in result.get("step_split", []):
+        print(f"B=1 plain decode step ({split['dtype']}): {split['step_ms']:.2f} ms, of which the bare forward "
+              f"{split['forward_ms']:.2f} ms, outside it {split['outside_ms']:.2f} ms (side by side)")
     print(f"cpu {result['cpu']['model']} flags {','.join(result['cpu']['flags'])}")
     print(f"engines' peak RSS {mem['engines_peak_rss_bytes'] / 2**20:.0f} MiB over a {mem['baseline_rss_bytes'] / 2**20:.0f} MiB "
           f"process (limit (model + KV) x {RSS_HEADROOM} = {mem['limit_bytes'] / 2**20:.0f} MiB: "

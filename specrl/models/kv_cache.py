@@ -8,6 +8,8 @@ would still poison the softmax-weighted sum. The dtype is the model's (bfloat16 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -65,37 +67,23 @@ class CacheBatch:
             real = torch.arange(num_tokens)[None, :] < lengths[:, None]
             self.rows = real.reshape(-1).nonzero().squeeze(1)
             self.positions = torch.minimum(self.positions, (start + lengths - 1)[:, None])
-        first, starts = int(slots[0]), start.tolist()
-        consecutive = bool(torch.equal(slots, torch.arange(first, first + len(slots))))
+        slot_ids, starts = slots.tolist(), start.tolist()  # a few values: Python compares them faster than torch
+        first = slot_ids[0]
+        consecutive = slot_ids == list(range(first, first + len(slot_ids)))
         same_start = all(s == starts[0] for s in starts)
-        self.length = length = int(self.positions.max()) + 1
+        self.length = length = (max(starts) + num_tokens) if self.rows is None else int(self.positions.max()) + 1
         self.all_visible = num_tokens == 1 and same_start  # every query sees every key: no mask
         self._mask: torch.Tensor | None = None
         k, v = cache.k, cache.v
         layers, _, kvh, max_len, d = k.shape
         if length > max_len:  # the flat write below would land in the next slot's rows
             raise ValueError(f"positions up to {length - 1} do not fit a KV cache of {max_len} positions")
-        lo, hi = first, first + len(slots)
-        if consecutive:
-            self._keys, self._values = k[:, lo:hi, :, :length], v[:, lo:hi, :, :length]  # [layers, B, KVH, L, D]
-        else:
-            self._keys, self._values = k[:, :, :, :length], v[:, :, :, :length]  # gathered per layer
-        if consecutive and same_start and self.rows is None:
-            s, e = starts[0], starts[0] + num_tokens
-            self._k_dest = k[:, lo:hi, :, s:e].transpose(2, 3)  # [layers, B, T, KVH, D]
-            self._v_dest = v[:, lo:hi, :, s:e].transpose(2, 3)
-            self._flat = None
-        else:
-            heads = torch.arange(kvh)
-            flat = (slots[:, None, None] * kvh + heads[None, None, :]) * max_len + self.positions[:, :, None]
-            if self.rows is not None:  # the real tokens only
-                flat = flat.reshape(-1, kvh).index_select(0, self.rows)
-            self._flat = flat.reshape(-1)  # [B*T*KVH] (or [N*KVH]) rows of k viewed as [layers, S*KVH*MAX, D]
-            self._k_dest, self._v_dest = k.view(layers, -1, d), v.view(layers, -1, d)
-        self._consecutive = consecutive
+        self._cache, self._first, self._starts, self._num_tokens = cache, first, starts, num_tokens
+        self._consecutive, self._same_start = consecutive, same_start
         # The fused kernel (rotary embedding + cache write + attention in one C call a layer) serves float32
         # forwards of up to FUSED_MAX_TOKENS tokens a row; `Llama.forward` cuts longer prefill chunks into
-        # such pieces (`fuses`). bfloat16 takes the torch ops below.
+        # such pieces (`fuses`). bfloat16 takes the torch ops below, whose views (`_views`) are cut on first
+        # use: a decode step never reads them (building them cost ~40 of the ~80 us this took a step).
         self.fused = fuses(cache) and num_tokens <= FUSED_MAX_TOKENS
         if self.fused:  # the kernel's arguments that hold for every layer, read once (a call costs ~3 us)
             self._flat_tokens = self.rows if self.rows is not None else torch.arange(len(slots) * num_tokens)
@@ -105,6 +93,28 @@ class CacheBatch:
             self._kernel_args = (k.data_ptr(), v.data_ptr(), self._slots.data_ptr(), self._positions.data_ptr(),
                                  self._flat_tokens.data_ptr(), len(self._flat_tokens), num_tokens)
             self._kernel_shape = (kvh, d, max_len)
+
+    @functools.cached_property
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The torch path's views, cut once over all layers: (keys, values) to read [layers, B, KVH, L, D] (all
+        slots when not consecutive: gathered per layer), (k_dest, v_dest) to write, and the flat write positions
+        (None: one slice copy)."""
+        k, v = self._cache.k, self._cache.v
+        layers, _, kvh, max_len, d = k.shape
+        lo, hi, length = self._first, self._first + len(self.slots), self.length
+        if self._consecutive:
+            keys, values = k[:, lo:hi, :, :length], v[:, lo:hi, :, :length]
+        else:
+            keys, values = k[:, :, :, :length], v[:, :, :, :length]
+        if self._consecutive and self._same_start and self.rows is None:
+            s, e = self._starts[0], self._starts[0] + self._num_tokens
+            return keys, values, k[:, lo:hi, :, s:e].transpose(2, 3), v[:, lo:hi, :, s:e].transpose(2, 3), None
+        heads = torch.arange(kvh)
+        flat = (self.slots[:, None, None] * kvh + heads[None, None, :]) * max_len + self.positions[:, :, None]
+        if self.rows is not None:  # the real tokens only
+            flat = flat.reshape(-1, kvh).index_select(0, self.rows)
+        # [B*T*KVH] (or [N*KVH]) rows of k viewed as [layers, S*KVH*MAX, D]
+        return keys, values, k.view(layers, -1, d), v.view(layers, -1, d), flat.reshape(-1)
 
     def mask(self, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
         """-> additive mask [B, 1, G*T, L] (0 visible, -inf hidden) for queries grouped G per KV
@@ -148,22 +158,24 @@ class CacheBatch:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, T, KVH, D]: store this layer's new keys/values."""
-        if self._flat is None:
-            self._k_dest[layer].copy_(k)
-            self._v_dest[layer].copy_(v)
+        _, _, k_dest, v_dest, flat = self._views
+        if flat is None:
+            k_dest[layer].copy_(k)
+            v_dest[layer].copy_(v)
         else:
             kvh, d = k.shape[-2:]
             if self.rows is not None:
                 k = k.reshape(-1, kvh, d).index_select(0, self.rows)
                 v = v.reshape(-1, kvh, d).index_select(0, self.rows)
-            self._k_dest[layer].index_copy_(0, self._flat, k.reshape(-1, d))
-            self._v_dest[layer].index_copy_(0, self._flat, v.reshape(-1, d))
+            k_dest[layer].index_copy_(0, flat, k.reshape(-1, d))
+            v_dest[layer].index_copy_(0, flat, v.reshape(-1, d))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> keys, values [B, KVH, L, D] of this layer for the batch's slots (a view when consecutive)."""
+        keys, values = self._views[:2]
         if self._consecutive:
-            return self._keys[layer], self._values[layer]
-        return self._keys[layer].index_select(0, self.slots), self._values[layer].index_select(0, self.slots)
+            return keys[layer], values[layer]
+        return keys[layer].index_select(0, self.slots), values[layer].index_select(0, self.slots)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, T, NH, D], k, v [B, T, KVH, D] (this forward's tokens) -> attention output

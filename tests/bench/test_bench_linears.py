@@ -9,7 +9,7 @@ import torch
 from specrl.apps.bench.linears import candidates, run_linears_bench
 from specrl.apps.cli import main
 from specrl.config import Settings
-from specrl.models.linear import cpu_kernels
+from specrl.models.linear import CALLS, cpu_kernels
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -35,7 +35,9 @@ def test_bench_linears_report(tmp_path, capsys):
     result = run_linears_bench(Settings.load(threads=1), ["int8"], (1, 2), str(tmp_path))
     report = json.loads((tmp_path / "bench-linears.json").read_text())
     names = [c["name"] for c in report["candidates"]]
-    assert names[:3] == ["stream int8 (specrl)", "stream prefetch int8 (specrl)", "aten._weight_int8pack_mm (torch)"]
+    amx = ["stream amx int8 (specrl)"] if CALLS["stream amx"].dtypes else []  # where the CPU has AMX-INT8
+    assert names[:3 + len(amx)] == ["stream int8 (specrl)", "stream prefetch int8 (specrl)", *amx,
+                                    "aten._weight_int8pack_mm (torch)"]
     for c in report["candidates"]:
         assert len(c["forward_ms"]) == 2 and all(ms > 0 for ms in c["forward_ms"]) and c["gb_s_one_row"] > 0
         assert set(c["per_shape_ms"]) == {"qkv", "o", "gate_up", "down", "head"}

@@ -255,6 +255,8 @@ STORAGES = {
 
 
 F32, F16, BF16, I8, Q4 = torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.quint4x2
+# the stream kernel's weight kinds, by the weight's dtype and by its packed storage's (4-bit: bytes)
+KIND = {F32: 0, F16: 1, BF16: 2, I8: 3, Q4: 4, torch.uint8: 4}
 SAME = ((F32, F32), (BF16, BF16))  # x2 in the weight's dtype: what the libraries' calls take
 HALF = ((F16, F32), (BF16, F32))  # half-precision weights with float32 x2: the "mixed" calls
 
@@ -314,7 +316,7 @@ def _stream_prefetch(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # 5.09 / 5.47 at 8, 8.86 / 7.22 at 16; int8 4.51 / 4.65, 5.32 / 5.58, 6.78 / 6.59, 10.28 / 10.02. It prefetches
 # as "stream prefetch" does (without: 10% slower there).
 PATH_AMX_INT8 = 4  # _cpu_kernels.gemm's path
-AMX_INT8 = cpu_kernels is not None and cpu_kernels.path(BLOCK, 3, GROUP, PATH_AMX_INT8) == "amx_int8"
+AMX_INT8 = cpu_kernels is not None and cpu_kernels.path(BLOCK, KIND[I8], GROUP, PATH_AMX_INT8) == "amx_int8"
 
 
 def _stream_amx(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -339,8 +341,6 @@ CALLS = {c.name: c for c in [
     Call("stream amx", "blocked", _stream_amx, dtypes=((I8, F32), (Q4, F32)) * AMX_INT8),
     Call("upcast", "plain", lambda x2, w: F.linear(x2, w.to(x2.dtype)), dtypes=HALF),  # odd shapes
 ]}
-# the stream kernel's weight kinds, by the weight's dtype and by its packed storage's (4-bit: bytes)
-KIND = {F32: 0, F16: 1, BF16: 2, I8: 3, Q4: 4, torch.uint8: 4}
 
 
 def calls_for(storage: str, rows: int, weight_dtype: torch.dtype = F32, x_dtype: torch.dtype | None = None) -> list[Call]:

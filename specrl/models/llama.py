@@ -123,6 +123,11 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
+def _kernel_input(x: torch.Tensor) -> bool:
+    """Whether x can go into the C layer calls: float32 inference activations, contiguous."""
+    return x.dtype == torch.float32 and not x.requires_grad and x.is_contiguous()
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] (the fused gate|up linear's output) -> silu(gate) * up [..., I]. Float32
     inference takes the C kernel (one pass, against chunk + silu + mul: 17 us for silu alone at
@@ -244,9 +249,10 @@ class DecoderLayer(nn.Module):
     def streams(self, x: torch.Tensor) -> bool:
         """Whether this forward can be one `_cpu_kernels.layer` call: float32 inference, and every
         linear takes the stream kernel (one weight dtype) at x's row count."""
-        if x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
-            return False
-        rows = x.numel() // x.shape[-1]
+        return _kernel_input(x) and self.weights_stream(x.numel() // x.shape[-1])
+
+    def weights_stream(self, rows: int) -> bool:
+        """Whether every linear takes the stream kernel (one weight dtype, float32 norms) at `rows` rows."""
         if rows not in self._weights_stream:
             weights = [getattr(self, name) for name in self.LINEARS]
             self._weights_stream[rows] = cpu_kernels is not None and self.input_norm.dtype == torch.float32 \
@@ -407,12 +413,12 @@ class Llama(nn.Module):
     def _layers_stream(self, x: torch.Tensor) -> bool:
         """Whether every layer's forward over x can run in the one C call (`DecoderLayer.streams`), asked of the
         layers once per row count: 30 questions a step took 0.14 ms, 4% of a q4 decode step (AMX Xeon)."""
-        if x.dtype != torch.float32 or x.requires_grad or not x.is_contiguous():
+        if not _kernel_input(x):
             return False
         rows = x.numel() // x.shape[-1]
         known = self._layers_stream_at.get(rows)
         if known is None:
-            known = self._layers_stream_at[rows] = all(layer.streams(x) for layer in self.layers)
+            known = self._layers_stream_at[rows] = all(layer.weights_stream(rows) for layer in self.layers)
         return known
 
     def _forward_streamed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: CacheBatch) -> torch.Tensor:

@@ -165,9 +165,9 @@ class Engine:
                         torch.tensor([s.slot for s in running]), torch.tensor([s.num_computed for s in running]),
                         draft, sampler)
         outputs = []
-        for row, seq in enumerate(running):
-            seq.num_computed += int(result.accepted[row]) + 1  # the pending token and the accepted drafts have KV now
-            outputs.append(self._commit(seq, draft, row, result, plan.proposers[row]))
+        for row, (seq, drafted, accepted, emitted) in enumerate(zip(running, draft.rows(), *result.rows())):
+            seq.num_computed += accepted + 1  # the pending token and the accepted drafts have KV now
+            outputs.append(self._commit(seq, drafted, accepted, emitted, result, row, plan.proposers[row]))
         seconds = time.perf_counter() - started
         self.controller.observe_plan(plan, seconds, result.accepted.tolist(), suffix)
         self.stats.decode_seconds += seconds
@@ -223,12 +223,12 @@ class Engine:
             seq.draft_pending_tokens.clear()
         return draft
 
-    def _commit(self, seq: Sequence, draft: Draft, row: int, result: Verification, proposer: str) -> StepOutput:
+    def _commit(self, seq: Sequence, drafted: tuple[list[int], list[float]], accepted: int, emitted: list[int],
+                result: Verification, row: int, proposer: str) -> StepOutput:
         """Row `row` of a verify step joins its sequence: record the step, feed the drafter the
-        verified positions, append the visible tokens, stop checks."""
-        accepted = int(result.accepted[row])
-        emitted = result.emitted[row, : accepted + 1].tolist()
-        draft_tokens, draft_logprobs = draft.row(row)
+        verified positions, append the visible tokens, stop checks. drafted: the row's draft tokens
+        and their log q (`Draft.rows`); accepted, emitted: the row's (`Verification.rows`)."""
+        draft_tokens, draft_logprobs = drafted
         position = seq.prompt_len + len(seq.output_ids)
         seq.segments.add(StepRecord(position, len(draft_tokens), draft_tokens, draft_logprobs, accepted, emitted[-1],
                                     proposer), emitted, seq.target_version, self.drafter_version,
@@ -273,7 +273,8 @@ class Engine:
             return None
         seq.status = Status.DECODE
         result = sample_first(target, hidden[:, -1], seq.prompt_len, _sampler([seq]))
-        out = self._commit(seq, Draft.empty(1), 0, result, "")
+        (accepted,), (emitted,) = result.rows()
+        out = self._commit(seq, ([], []), accepted, emitted, result, 0, "")
         self._drafter_catch_up(seq)
         return out
 

@@ -37,10 +37,15 @@ class Draft:
     def empty(cls, batch: int) -> "Draft":
         return cls(torch.zeros(batch, 0, dtype=torch.long), None, torch.zeros(batch, 0))
 
-    def row(self, b: int) -> tuple[list[int], list[float]]:
-        """Row b's draft tokens and their log q."""
-        n = self.tokens.shape[1] if self.lengths is None else int(self.lengths[b])
-        return self.tokens[b, :n].tolist(), self.logprobs[b, :n].tolist()
+    def rows(self) -> list[tuple[list[int], list[float]]]:
+        """Each row's draft tokens and their log q (one conversion for the step: a row's own
+        slicing and `tolist` cost ~8 us a row, ~0.06 ms a step at B = 8)."""
+        batch, width = self.tokens.shape
+        if width == 0:
+            return [([], []) for _ in range(batch)]
+        lengths = [width] * batch if self.lengths is None else self.lengths.tolist()
+        return [(tokens[:n], logprobs[:n]) for tokens, logprobs, n
+                in zip(self.tokens.tolist(), self.logprobs.tolist(), lengths)]
 
 
 def assemble(width: int, lengths: list[int], head_rows: list[int], head: Draft | None,

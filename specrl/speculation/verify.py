@@ -43,6 +43,12 @@ class Verification:
     hidden: torch.Tensor
     logits: torch.Tensor
 
+    def rows(self) -> tuple[list[int], list[list[int]]]:
+        """-> (accepted per row, each row's emitted tokens: its accepted drafts and the target's
+        token), converted once for the step."""
+        accepted = self.accepted.tolist()
+        return accepted, [tokens[: n + 1] for tokens, n in zip(self.emitted.tolist(), accepted)]
+
 
 def verify(target: Llama, cache: KVCache, pending: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
            draft: Draft, sampler: RowSampler) -> Verification:

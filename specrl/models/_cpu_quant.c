@@ -46,7 +46,12 @@
 
 #define BLOCK 16
 #define GROUP 32
-#define ROWS 6 /* rows a register tile takes at most */
+#define ROWS 6 /* rows an AVX2 register tile takes at most (16 ymm: two accumulators and two sums a row) */
+/* Rows an AVX-512 tile takes at most (32 zmm: an accumulator and a sum a row). 8, not AVX2's 6: a tile unpacks
+ * each group once for its rows, and 8 rows (a B=8 step) were two tiles of 4. `bench linears`, AMX Xeon, 2 threads,
+ * 22.8 GB/s, alternating builds (6 / 8): q4 "stream" 8 rows over 1 row 1.38x / 0.91-1.03x, 16 rows 2.24x /
+ * 1.38-1.68x. */
+#define VNNI_ROWS 8
 /* A tile streams one column block: each thread then reads one contiguous range, block after block. Tiles over
  * four blocks at once (four interleaved streams, as the float kernels' tiles) were measured 4-21% slower at 1-16
  * rows on SmolLM2's matmuls (AVX-512 EPYC, 2 threads; q4 at one row 3.68 -> 2.81 ms): this path is not
@@ -247,7 +252,8 @@ static void blocks_portable(const acts *a, const uint8_t *w, float *out, int64_t
 
 #define VNNI_TILES(KIND, SUMS)                                                                                        \
     VNNI_TILE(KIND, SUMS, 1) VNNI_TILE(KIND, SUMS, 2) VNNI_TILE(KIND, SUMS, 3)                                        \
-    VNNI_TILE(KIND, SUMS, 4) VNNI_TILE(KIND, SUMS, 5) VNNI_TILE(KIND, SUMS, 6)
+    VNNI_TILE(KIND, SUMS, 4) VNNI_TILE(KIND, SUMS, 5) VNNI_TILE(KIND, SUMS, 6)                                        \
+    VNNI_TILE(KIND, SUMS, 7) VNNI_TILE(KIND, SUMS, 8)
 VNNI_TILES(KIND_I8, VNNI_SUMS_I8)
 VNNI_TILES(KIND_Q4, VNNI_SUMS_Q4)
 
@@ -255,7 +261,9 @@ typedef void (*tile_fn)(const acts *, const uint8_t *, float *, int64_t, int64_t
 #define TILE_TABLE(PREFIX, KIND)                                                                                      \
     {NULL, PREFIX##_##KIND##_1, PREFIX##_##KIND##_2, PREFIX##_##KIND##_3,                                             \
      PREFIX##_##KIND##_4, PREFIX##_##KIND##_5, PREFIX##_##KIND##_6}
-static const tile_fn vnni_i8[] = TILE_TABLE(vnni, KIND_I8), vnni_q4[] = TILE_TABLE(vnni, KIND_Q4);
+#define VNNI_TABLE(KIND) {NULL, vnni_##KIND##_1, vnni_##KIND##_2, vnni_##KIND##_3, vnni_##KIND##_4, vnni_##KIND##_5, \
+                          vnni_##KIND##_6, vnni_##KIND##_7, vnni_##KIND##_8}
+static const tile_fn vnni_i8[] = VNNI_TABLE(KIND_I8), vnni_q4[] = VNNI_TABLE(KIND_Q4);
 
 /* ---- AVX2: one block a tile, two 8-lane vectors ---------------------------------------------- */
 
@@ -556,11 +564,11 @@ const char *quant_path_name(int force) {
     return names[quant_path(force)];
 }
 
-/* Block b0 for every row: ceil(M / ROWS) tiles of near-equal rows (8 rows: 4 + 4,
+/* Block b0 for every row: ceil(M / rows) tiles of near-equal rows, at most `rows` each (AVX2's 8 rows: 4 + 4,
  * not 6 + 2: each tile re-reads the weights from L1 and unpacks them again, whatever its rows). */
-static void run_blocks(const tile_fn *tiles, const acts *a, const uint8_t *w, float *out, int64_t M, int64_t K,
-                       int64_t N, int64_t b0) {
-    const int64_t chunks = (M + ROWS - 1) / ROWS;
+static void run_blocks(const tile_fn *tiles, int64_t rows, const acts *a, const uint8_t *w, float *out, int64_t M,
+                       int64_t K, int64_t N, int64_t b0) {
+    const int64_t chunks = (M + rows - 1) / rows;
     for (int64_t c = 0, m = 0; c < chunks; c++) {
         const int64_t end = M * (c + 1) / chunks;
         tiles[end - m](a, w, out, K, N, m, b0);
@@ -594,7 +602,7 @@ int gemm_quant(const float *x, const void *w, float *out, int64_t M, int64_t K, 
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < N / BLOCK; b++) {
         if (path == Q_PORTABLE) blocks_portable(&a, (const uint8_t *)w, out, M, K, N, b, b + 1, kind);
-        else run_blocks(tiles, &a, (const uint8_t *)w, out, M, K, N, b);
+        else run_blocks(tiles, path == Q_VNNI ? VNNI_ROWS : ROWS, &a, (const uint8_t *)w, out, M, K, N, b);
     }
     free(a.buffer);
     return 0;

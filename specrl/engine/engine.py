@@ -165,14 +165,15 @@ class Engine:
                         torch.tensor([s.slot for s in running]), torch.tensor([s.num_computed for s in running]),
                         draft, sampler)
         outputs = []
-        for row, (seq, drafted, accepted, emitted) in enumerate(zip(running, draft.rows(), *result.rows())):
+        accepted_rows, emitted_rows = result.rows()
+        for row, (seq, drafted, accepted, emitted) in enumerate(zip(running, draft.rows(), accepted_rows, emitted_rows)):
             seq.num_computed += accepted + 1  # the pending token and the accepted drafts have KV now
             outputs.append(self._commit(seq, drafted, accepted, emitted, result, row, plan.proposers[row]))
         seconds = time.perf_counter() - started
-        self.controller.observe_plan(plan, seconds, result.accepted.tolist(), suffix)
+        self.controller.observe_plan(plan, seconds, accepted_rows, suffix)
         self.stats.decode_seconds += seconds
         self.stats.plain_equivalent_seconds += self.controller.plain_seconds(plan, seconds,
-                                                                           len(running) + int(result.accepted.sum()))
+                                                                           len(running) + sum(accepted_rows))
         return outputs
 
     def _suffix_draft(self, seq: Sequence, peers, sampler: RowSampler, row: int) -> SuffixDraft | None:

@@ -34,6 +34,28 @@ def test_unknown_instructions_and_thread_counts_are_refused():
     assert peak_rates(["avx9000", None], 1) == {}
 
 
+class _Kernels:
+    """cpu_kernels with a peak_macs that reads back given rates in turn (a machine whose neighbour comes and goes)."""
+
+    def __init__(self, rates):
+        self.rates, self.calls = list(rates), []
+
+    def peak_macs(self, name, threads):
+        self.calls.append((name, threads))
+        return self.rates.pop(0)
+
+
+def test_a_peak_is_the_best_of_samples_apart_in_time(monkeypatch):
+    """A rate read while a neighbour held a core is half the machine's: the floor takes the best of the samples,
+    per instruction, and an instruction the CPU refuses (-1 in every sample) has no peak."""
+    import specrl.apps.bench.floors as floors
+
+    fake = _Kernels([2e11, -1.0, 4.6e11, -1.0, 4.4e11, -1.0])  # two instructions, three samples each, in turn
+    monkeypatch.setattr(floors, "cpu_kernels", fake)
+    assert peak_rates(["avx512_vnni", "amx_int8", None, "avx512_vnni"], 2, samples=3, pause_s=0) == {"avx512_vnni": 4.6e11}
+    assert fake.calls == [("avx512_vnni", 2), ("amx_int8", 2)] * 3 and fake.rates == []
+
+
 @needs_kernels
 def test_the_instruction_follows_the_weights_format_and_the_cpu(tiny_dir):
     vnni = NEEDS["avx512_vnni"] <= FLAGS

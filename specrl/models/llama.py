@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrl.errors import ModelNotFoundError
+from specrl.models.huge_pages import move_into_huge_pages
 from specrl.models.kv_cache import FUSED_MAX_TOKENS, CacheBatch, KVCache, fuses
 from specrl.models.linear import KIND, PackedLinear, cpu_kernels, linear, plain_weight
 from specrl.models.quantize import Int8Weight, Q4Weight
@@ -336,6 +337,8 @@ class Llama(nn.Module):
         weights by this model's names (`layers.3.qkv`, `embed`) to pack from those blocks instead of the
         parameters (`gguf_reader.load_gguf`).
 
+        The packed weights then move into one mapping of 2 MB pages (`huge_pages`).
+
         A tied head stays a weight with row access (plain or transposed storage, whichever `plan`
         measured faster): the embedding lookup reads its rows, so no second copy is kept. The cost,
         measured for SmolLM2's [49152, 576] head on the AVX2 EPYC (1 thread): a oneDNN-packed copy
@@ -358,6 +361,8 @@ class Llama(nn.Module):
                 _set_weight(self, "embed", self.embed.detach().to(plan.dtype))
             _set_weight(self, "lm_head", head)
             _set_weight(self, "norm", self.norm.detach().to(plan.dtype))
+            # what a step streams, in 2 MB pages (huge_pages: a q4 B=1 forward 4.63 -> 3.67 ms on a Zen 4 EPYC)
+            move_into_huge_pages(w for w in self.streamed_weights() if isinstance(w, PackedLinear))
         self.rope.to(plan.dtype)
         self._layer_tables.clear()
         self._layers_stream_at.clear()

@@ -64,9 +64,18 @@ def stop_string_hit(token_ids: list[int], stops: tuple[str, ...], tokenizer,
     return any(s in text for s in stops)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """logits [T, V] that chose `tokens` -> per token (its log-prob, the top `top` (id, log-prob))."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
-    values, ids = logp.topk(top, dim=-1) if top > 0 else (logp[:, :0], logp[:, :0].long())
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int,
+                   log_normaliser: torch.Tensor | None = None) -> list[tuple[float, list[tuple[int, float]]]]:
+    """logits [T, V] that chose `tokens` -> per token (its log-prob, the top `top` (id, log-prob)): a logit minus its
+    position's log normaliser, log sum exp over V, taken from `log_normaliser` [T] where every entry is finite (a
+    plain step's C draw computed it: `Verification.log_normaliser`), else computed here."""
+    x = logits.float()
+    if log_normaliser is None or not bool(torch.isfinite(log_normaliser).all()):
+        log_normaliser = torch.logsumexp(x, dim=-1)
+    chosen = (x[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] - log_normaliser).tolist()
+    if top > 0:
+        values, ids = x.topk(top, dim=-1)
+        values = values - log_normaliser[:, None]
+    else:
+        values, ids = x[:, :0], x[:, :0].long()
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]

@@ -246,7 +246,8 @@ class Engine:
         self.stats.generated_tokens += len(visible)
         if reason is not None:
             self._finish(seq, reason)
-        logprobs = (token_logprobs(result.logits[row, : len(visible)], visible, seq.params.logprobs)
+        free = None if result.log_normaliser is None else result.log_normaliser[row, : len(visible)]
+        logprobs = (token_logprobs(result.logits[row, : len(visible)], visible, seq.params.logprobs, free)
                     if seq.params.logprobs is not None else None)
         return self._output(seq, visible, logprobs)
 

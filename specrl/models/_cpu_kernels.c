@@ -52,9 +52,11 @@
 #include <unistd.h>
 
 #include "_cpu_amx.h"
+#include "_cpu_exp.h"
 #include "_cpu_half.h"
 #include "_cpu_peak.h"
 #include "_cpu_quant.h"
+#include "_cpu_sample.h"
 
 
 #define BLOCK 16 /* outputs per column block (the layout), whatever the vector width */
@@ -462,20 +464,6 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
 #define ATT_MAX_D 256
 #define ATT_KEYS 64 /* keys a block */
 
-/* e^x for finite x <= 0: x = n ln2 + r (|r| <= ln2 / 2), 2^n from the exponent bits, e^r by its
- * degree-6 Taylor polynomial (relative error ~1e-7); 0 below -87. Branch-free, so the loops over a
- * block of keys vectorise. */
-static inline __attribute__((always_inline)) float exp_nonpos(float x) {
-    float t = x * 1.44269504f;
-    int n = (int)(t - 0.5f); /* round to nearest: t <= 0 */
-    float r = x - (float)n * 0.693145752f - (float)n * 1.42860677e-6f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    int32_t bits = (n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return x < -87.0f ? 0.0f : p * scale;
-}
-
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t d) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -598,23 +586,6 @@ static void rope_store_portable(const attend_args *a, int64_t i) { rope_store_bo
 ATTEND_FN(portable, )
 __attribute__((target("avx2,fma"))) static void rope_store_avx2(const attend_args *a, int64_t i) { rope_store_body(a, i); }
 ATTEND_FN(avx2_generic, __attribute__((target("avx2,fma"))))
-
-/* e^x, 8 lanes, x clamped to [-87, 88]: exp_nonpos's reduction and polynomial with FMA. */
-__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 
 /* attend_body for D = 64 in AVX2 registers: q and the output row are 8 vectors each; four keys'
  * dot products run as four independent FMA chains, summed across lanes together (two hadds). The
@@ -900,6 +871,27 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_sample_rows(PyObject *self, PyObject *args) {
+    unsigned long long tokens, log_normaliser, logits, inv_temperature, uniforms;
+    long long rows, V;
+    int threads, portable = 0;
+    if (!PyArg_ParseTuple(args, "KKKLLKKi|p", &tokens, &log_normaliser, &logits, &rows, &V, &inv_temperature,
+                          &uniforms, &threads, &portable))
+        return NULL;
+    if (rows < 0 || V < 1 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "sample_rows: rows >= 0, a row of at least 1 logit, threads >= 1");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = sample_rows((const float *)(uintptr_t)logits, rows, V, (const float *)(uintptr_t)inv_temperature,
+                         (const float *)(uintptr_t)uniforms, (int64_t *)(uintptr_t)tokens,
+                         (float *)(uintptr_t)log_normaliser, threads, portable);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* ---- one decoder layer ------------------------------------------------------------------ */
 
 /* A decode or verify step's whole layer when its four linears stream (blocked weights of one kind):
@@ -1091,6 +1083,10 @@ static PyMethodDef methods[] = {
     {"quant_rows", py_quant_rows, METH_VARARGS,
      "quant_rows(out, w, ids, n, K, N, kind): out[n, K] float32 = rows ids (int64, each in [0, N)) of an int8 (kind "
      "3) or 4-bit (kind 4) blocked weight of N rows (a multiple of 16), dequantized: an embedding lookup"},
+    {"sample_rows", py_sample_rows, METH_VARARGS,
+     "sample_rows(tokens, log_normaliser, logits, rows, V, inv_temperature, uniforms, threads, portable=False): "
+     "tokens[r] (int64) = the inverse-CDF draw of softmax(logits[r] * inv_temperature[r]) with uniforms[r], "
+     "log_normaliser[r] (float32) = log sum exp(logits[r] * inv_temperature[r]) (pointers as integers)"},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,
      "argmax_rows(out, x, rows, V, portable=False): out[r] (int64) = first index of the max of row r of x (float32)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
@@ -1108,6 +1104,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels", NULL,
 PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     __builtin_cpu_init();
     quant_init();
+    sample_init();
     has_avx512 = __builtin_cpu_supports("avx512f");
     has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     unsigned int a, b, c, d;

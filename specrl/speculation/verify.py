@@ -36,12 +36,15 @@ from specrl.speculation.sampling import RowSampler
 class Verification:
     """accepted [B] int64; emitted [B, K+1] int64 (accepted drafts then the target's token, -1
     after); hidden [B, K+1, H] float32, the target's last hidden state at each verified position
-    (the drafter's next features); logits [B, K+1, V] float32 that chose each emitted token."""
+    (the drafter's next features); logits [B, K+1, V] float32 that chose each emitted token;
+    log_normaliser [B, K+1] float32, log sum exp of those logits where the step had it for free (a plain
+    step's C draw at temperature 1: `RowSampler.draw`), NaN elsewhere, or None (the step has none)."""
 
     accepted: torch.Tensor
     emitted: torch.Tensor
     hidden: torch.Tensor
     logits: torch.Tensor
+    log_normaliser: torch.Tensor | None = None
 
     def rows(self) -> tuple[list[int], list[list[int]]]:
         """-> (accepted per row, each row's emitted tokens: its accepted drafts and the target's
@@ -58,6 +61,11 @@ def verify(target: Llama, cache: KVCache, pending: torch.Tensor, slots: torch.Te
     lengths = None if draft.lengths is None else draft.lengths + 1
     hidden = target(tokens, slots, start, cache, lengths)
     logits = _logits(target, hidden, lengths)
+    if not draft.tokens.shape[1] and sampler.draws_from_logits:  # a plain step: each row's token in one C pass
+        emitted, log_normaliser = sampler.draw(logits[:, 0], sampler.uniforms(1, start + 1)[:, 0])
+        # the draw's normaliser is of logits / T: the logits' own where T = 1 (the log-probs' denominator)
+        raw = torch.where(sampler.temperature == 1.0, log_normaliser, torch.full_like(log_normaliser, float("nan")))
+        return Verification(torch.zeros(len(emitted), dtype=torch.long), emitted[:, None], hidden, logits, raw[:, None])
     # the target's distributions after the processing, position i counting d_1..d_i as generated
     probs = _target_scores(sampler, logits, draft.tokens, target.cfg.eos_token_ids)
     accepted, emitted = accept(draft, probs, sampler.uniforms(tokens.shape[1], start + 1), sampler)

@@ -4,6 +4,10 @@ Verification (B requests, K drafts, vocabulary V; a quarter of the rows greedy):
 kernel (CUDA only), the torch twin, and the naive per-row loop (`rejection_sample_rowwise`);
 plus the dispatch's input checks, timed alone, against the twin. The kernel's tokens are compared
 with the twin's on the same inputs.
+A plain sampled step's draw (B rows of V logits, temperature 1, no filters): torch's softmax and
+`rejection_sample_torch` with no drafts against the C draw the engine takes there (`RowSampler.draw`), and how
+often their tokens agree on the same uniforms (they differ only where a uniform falls within float rounding of a
+boundary of the inverse CDF).
 Drafter loss (N positions, hidden H, draft vocabulary V; a quarter as many rejected drafts as
 positions): forward + backward (d hidden and d head) of the Triton kernels (CUDA only), the
 chunked torch twin, and the materialised reference (plain autograd on [N, V] logits), with each
@@ -41,9 +45,11 @@ from specrl.config import Settings
 from specrl.kernels import drafter_loss_reference, rejection_sample_rowwise, rejection_sample_torch, triton_available
 from specrl.kernels import drafter_loss as loss_twin
 from specrl.kernels.checks import check_verify_inputs
+from specrl.speculation.sampling import RowSampler, SamplingParams
 
 QUICK_VERIFY = [(8, 4, 4096), (64, 4, 4096), (64, 8, 32768)]
 FULL_VERIFY = [(b, k, v) for v in (49152, 131072) for k in (4, 8) for b in (1, 16, 64, 256)]
+DRAW_SHAPES = [(1, 49152), (8, 49152), (64, 49152)]  # (B, V): SmolLM2's vocabulary
 QUICK_LOSS = [(512, 256, 4096), (1024, 512, 16384)]
 FULL_LOSS = [(1024, 1024, 49152), (4096, 2048, 49152), (4096, 4096, 131072), (16384, 4096, 131072),
              (65536, 4096, 49152), (65536, 8192, 131072)]
@@ -68,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_kernel_bench(settings: Settings, quick: bool, out_dir: str | None, *,
                      verify_shapes: list[tuple[int, int, int]] | None = None,
-                     loss_shapes: list[tuple[int, int, int]] | None = None) -> dict:
+                     loss_shapes: list[tuple[int, int, int]] | None = None,
+                     draw_shapes: list[tuple[int, int]] | None = None) -> dict:
     """Measure every shape; print a table; write bench-kernels.json and .png -> the result."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_triton = device.type == "cuda" and triton_available()
@@ -77,8 +84,10 @@ def run_kernel_bench(settings: Settings, quick: bool, out_dir: str | None, *,
     loss_shapes = loss_shapes or trainer_loss_shapes(settings) + (QUICK_LOSS if quick else FULL_LOSS)
     rate = _matmul_rate(device)
     verify_rows = [_verify_row(b, k, v, device, use_triton) for b, k, v in _progress(verify_shapes, "verify")]
+    draw_rows = [_draw_row(b, v) for b, v in _progress(draw_shapes or DRAW_SHAPES, "plain draw")]
     loss_rows = [_loss_row(n, h, v, device, use_triton, rate) for n, h, v in _progress(loss_shapes, "loss")]
     result = _result(settings, quick, device, use_triton, rate, verify_rows, loss_rows)
+    result["draw"] = draw_rows
     out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-kernels-{stamp}"
     _print_tables(result)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,6 +130,26 @@ def _verify_row(b: int, k: int, v: int, device: torch.device, use_triton: bool) 
         row["tokens_equal_rows"] = float((twin[1] == kernel[1]).all(1).float().mean())
     args = None  # free before the next shape
     _free(device)
+    return row
+
+
+def _draw_row(b: int, v: int) -> dict:
+    """A plain sampled step's draw at temperature 1 on the CPU: torch's (softmax, then rejection_sample_torch with
+    no drafts) against the C one (`RowSampler.draw`, where the C kernels are built); ms and agreement."""
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    logits, uniforms = torch.randn(b, v, generator=gen).mul_(3), torch.rand(b, generator=gen)
+    sampler = RowSampler.of([SamplingParams(temperature=1.0)] * b, [torch.Generator() for _ in range(b)])
+    no_drafts, greedy = torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, dtype=torch.bool)
+
+    def twin() -> torch.Tensor:
+        return rejection_sample_torch(no_drafts, None, sampler.probs(logits[:, None]), uniforms[:, None], greedy)[1][:, 0]
+
+    row = {"B": b, "V": v, "twin_ms": _time(twin, cpu)}
+    if sampler.draws_from_logits:
+        row["c_ms"] = _time(lambda: sampler.draw(logits, uniforms), cpu)
+        row["twin_over_c"] = row["twin_ms"] / row["c_ms"]
+        row["tokens_equal"] = float((sampler.draw(logits, uniforms)[0] == twin()).float().mean())
     return row
 
 
@@ -372,6 +401,10 @@ def _print_tables(result: dict) -> None:
         for name in ("triton", "twin", "reference"):
             if f"{name}_skipped" in r:
                 print(f"{'':<6} {'':>6} {'':>5} {'':>7}   {name} skipped: {r[f'{name}_skipped']}")
+    print(f"{'draw':<8} {'B':>4} {'V':>7} {'twin ms':>9} {'C ms':>9} {'twin/C':>7} {'same':>6}")
+    for r in result.get("draw", []):
+        print(f"{'':<8} {r['B']:>4} {r['V']:>7} {r['twin_ms']:>9.3f} {_fmt(r.get('c_ms'), '.3f'):>9} "
+              f"{_fmt(r.get('twin_over_c'), '.1f'):>6}x {_fmt(r.get('tokens_equal'), '.0%'):>6}")
     for note in result["notes"]:
         print(f"note: {note}")
 

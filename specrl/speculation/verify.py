@@ -116,7 +116,9 @@ def accept(draft: Draft, probs: torch.Tensor, uniforms: torch.Tensor, sampler: R
     accepted, emitted = rejection_sample(draft.tokens, draft.probs, probs, uniforms, sampler.greedy, draft.lengths,
                                          check_values=False)
     coupled = sampler.coupled.nonzero().squeeze(1)
-    if coupled.numel():  # t = inverse-CDF(p, u) at every position
+    # t = inverse-CDF(p, u) at every position; without drafts rejection sampling drew exactly that already
+    # (inverse_cdf_sample of p_1 with u_1), so a plain step does not draw its seeded rows twice
+    if coupled.numel() and draft.tokens.shape[1]:
         accepted[coupled], emitted[coupled] = _matching(draft, inverse_cdf_sample(probs[coupled], uniforms[coupled]),
                                                         coupled)
     return accepted, emitted

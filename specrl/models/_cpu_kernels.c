@@ -872,11 +872,11 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_sample_rows(PyObject *self, PyObject *args) {
-    unsigned long long tokens, log_normaliser, logits, inv_temperature, uniforms;
+    unsigned long long tokens, log_normaliser, logits, inv_temperature, uniforms, top_k;
     long long rows, V;
     int threads, portable = 0;
-    if (!PyArg_ParseTuple(args, "KKKLLKKi|p", &tokens, &log_normaliser, &logits, &rows, &V, &inv_temperature,
-                          &uniforms, &threads, &portable))
+    if (!PyArg_ParseTuple(args, "KKKLLKKKi|p", &tokens, &log_normaliser, &logits, &rows, &V, &inv_temperature,
+                          &uniforms, &top_k, &threads, &portable))
         return NULL;
     if (rows < 0 || V < 1 || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "sample_rows: rows >= 0, a row of at least 1 logit, threads >= 1");
@@ -885,7 +885,7 @@ static PyObject *py_sample_rows(PyObject *self, PyObject *args) {
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = sample_rows((const float *)(uintptr_t)logits, rows, V, (const float *)(uintptr_t)inv_temperature,
-                         (const float *)(uintptr_t)uniforms, (int64_t *)(uintptr_t)tokens,
+                         (const float *)(uintptr_t)uniforms, (const int64_t *)(uintptr_t)top_k, (int64_t *)(uintptr_t)tokens,
                          (float *)(uintptr_t)log_normaliser, threads, portable);
     Py_END_ALLOW_THREADS
     if (status) return PyErr_NoMemory();
@@ -1084,9 +1084,10 @@ static PyMethodDef methods[] = {
      "quant_rows(out, w, ids, n, K, N, kind): out[n, K] float32 = rows ids (int64, each in [0, N)) of an int8 (kind "
      "3) or 4-bit (kind 4) blocked weight of N rows (a multiple of 16), dequantized: an embedding lookup"},
     {"sample_rows", py_sample_rows, METH_VARARGS,
-     "sample_rows(tokens, log_normaliser, logits, rows, V, inv_temperature, uniforms, threads, portable=False): "
-     "tokens[r] (int64) = the inverse-CDF draw of softmax(logits[r] * inv_temperature[r]) with uniforms[r], "
-     "log_normaliser[r] (float32) = log sum exp(logits[r] * inv_temperature[r]) (pointers as integers)"},
+     "sample_rows(tokens, log_normaliser, logits, rows, V, inv_temperature, uniforms, top_k, threads, portable=False): "
+     "tokens[r] (int64) = the inverse-CDF draw of softmax(logits[r] * inv_temperature[r]) with uniforms[r] over the "
+     "ids top_k[r] keeps (top_k: 0 for none, or int64 [rows], 0 keeping every id), log_normaliser[r] (float32) = log "
+     "sum exp over those ids (pointers as integers)"},
     {"argmax_rows", py_argmax_rows, METH_VARARGS,
      "argmax_rows(out, x, rows, V, portable=False): out[r] (int64) = first index of the max of row r of x (float32)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,

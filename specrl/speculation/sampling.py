@@ -168,27 +168,30 @@ class RowSampler:
     @property
     def draws_from_logits(self) -> bool:
         """Whether a plain step (no drafts) can take each row's token straight from its logits (`draw`): some row
-        samples, and no row asks for the token-dependent processing, min_p, top_k or top_p, or is seeded (a seeded
-        row's token is the inverse-CDF draw of `probs`, which its speculative steps draw too: the same text with or
-        without speculation); and the C sampler is built."""
+        samples, and no row asks for the token-dependent processing, min_p or top_p, or is seeded (a seeded row's
+        token is the inverse-CDF draw of `probs`, which its speculative steps draw too: the same text with or without
+        speculation); and the C sampler is built. top_k is drawn in C too."""
         if cpu_kernels is None or self.all_greedy or self.adjust is not None or self.min_p is not None \
-                or self.top_k is not None or bool((self.top_p < 1).any()):
+                or bool((self.top_p < 1).any()):
             return False
         return self.streams is None or all(s is None for s in self.streams)
 
     def draw(self, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] float32, uniforms [B] in [0, 1) -> (tokens [B] int64, log normaliser [B] float32) (where
         `draws_from_logits`): greedy rows their argmax, sampled rows the inverse-CDF draw of softmax(logits /
-        temperature) with their uniform, as `distribution` and kernels/verify.py draw it, and log sum exp(logits /
-        temperature) (a greedy row's at temperature 1), in two C passes a row (`_cpu_kernels.sample_rows`: 0.042 ms for
+        temperature) over the ids their top_k keeps, with their uniform, as `distribution` and kernels/verify.py
+        draw it, and log sum exp(logits / temperature) over those ids (a greedy row's at temperature 1, every id),
+        in two C passes a row (and a quickselect for top_k) (`_cpu_kernels.sample_rows`: 0.042 ms for
         one 49k row, 0.131 for 8, where torch's softmax, cumsum and searchsorted took 0.304 and 1.085: bench kernels)."""
         logits = logits.float().contiguous()
         rows, vocab = logits.shape
         tokens, log_normaliser = torch.empty(rows, dtype=torch.long), torch.empty(rows)
         inverse = (1.0 / torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)).contiguous()
         uniforms = uniforms.float().contiguous()
+        top_k = None if self.top_k is None else self.top_k.contiguous()  # 0 where off (greedy rows too)
         cpu_kernels.sample_rows(tokens.data_ptr(), log_normaliser.data_ptr(), logits.data_ptr(), rows, vocab,
-                                inverse.data_ptr(), uniforms.data_ptr(), torch.get_num_threads())
+                                inverse.data_ptr(), uniforms.data_ptr(), 0 if top_k is None else top_k.data_ptr(),
+                                torch.get_num_threads())
         if bool(self.greedy.any()):
             greedy = self.greedy.nonzero().squeeze(1)
             tokens[greedy] = argmax(logits.index_select(0, greedy))

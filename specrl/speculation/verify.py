@@ -38,7 +38,7 @@ class Verification:
     after); hidden [B, K+1, H] float32, the target's last hidden state at each verified position
     (the drafter's next features); logits [B, K+1, V] float32 that chose each emitted token;
     log_normaliser [B, K+1] float32, log sum exp of those logits where the step had it for free (a plain
-    step's C draw at temperature 1: `RowSampler.draw`), NaN elsewhere, or None (the step has none)."""
+    step's C draw at temperature 1 without top_k: `RowSampler.draw`), NaN elsewhere, or None (the step has none)."""
 
     accepted: torch.Tensor
     emitted: torch.Tensor
@@ -63,8 +63,10 @@ def verify(target: Llama, cache: KVCache, pending: torch.Tensor, slots: torch.Te
     logits = _logits(target, hidden, lengths)
     if not draft.tokens.shape[1] and sampler.draws_from_logits:  # a plain step: each row's token in one C pass
         emitted, log_normaliser = sampler.draw(logits[:, 0], sampler.uniforms(1, start + 1)[:, 0])
-        # the draw's normaliser is of logits / T: the logits' own where T = 1 (the log-probs' denominator)
-        raw = torch.where(sampler.temperature == 1.0, log_normaliser, torch.full_like(log_normaliser, float("nan")))
+        # the draw's normaliser is of logits / T over the ids top_k keeps: the logits' own where T = 1 without top_k
+        # (the log-probs' denominator)
+        whole = sampler.temperature == 1.0 if sampler.top_k is None else (sampler.temperature == 1.0) & (sampler.top_k == 0)
+        raw = torch.where(whole, log_normaliser, torch.full_like(log_normaliser, float("nan")))
         return Verification(torch.zeros(len(emitted), dtype=torch.long), emitted[:, None], hidden, logits, raw[:, None])
     # the target's distributions after the processing, position i counting d_1..d_i as generated
     probs = _target_scores(sampler, logits, draft.tokens, target.cfg.eos_token_ids)

@@ -1,19 +1,18 @@
-/* One token a row from softmax(x / T), or from its k most likely ids (top-k), by the inverse CDF with a uniform u (kernels/verify.py's rule: the first id
- * whose running sum of weights exceeds u times their total), and the row's log normaliser: what a plain sampled
- * step needs of its logits.
+/* One token a row from softmax(x / T) (or from its k most likely ids: top-k), by the inverse CDF with a uniform u
+ * (kernels/verify.py's rule: the first id whose running sum of weights exceeds u times their total), and the row's
+ * log normaliser: what a plain sampled step needs of its logits.
  *
  * Why: through torch the same draw is a softmax, a copy, a cumsum and a searchsorted over the whole vocabulary
- * (0.19 ms a row at B = 1, 0.5 ms a step at B = 8 for SmolLM2's 49k, 2 threads, AVX-512 EPYC), about a tenth of a
- * q4 decode step. Here it is two passes:
- *   1. m = max_i x_i;
+ * (`specrl bench kernels`, SmolLM2's 49k ids, 2 threads, Zen 4 EPYC: 0.304 ms at B = 1, 1.085 at B = 8; here 0.042
+ * and 0.131), about a tenth of a q4 decode step. Two passes:
+ *   1. m = max_i x_i (and, with top-k, the k-th largest x: `kth_largest`; ids below it weigh 0, those tied with it
+ *      stay, as torch's top-k filter keeps them);
  *   2. w_i = exp((x_i - m) / T) (0 where (x_i - m) / T < -87), summed per block of BLOCK_IDS ids: s_b; the total
  *      S = s_0 + s_1 + ... in order; log normaliser m / T + log S.
- * Then the block sums again, in the same order, until the running sum passes u S (the same float additions as
- * S's, so for u < 1 some block does), and in that block its weights one by one (recomputed by the same code);
- * with top-k, ids whose logit is below the k-th largest weigh 0 (those tied with it stay, as torch's top-k filter
- * keeps them), the k-th largest found by a histogram of the floats' bits and a quickselect within one bucket;
- * where that block's own running sum falls short of the rest by rounding, its last id of positive weight. Ids of
- * weight 0 are never drawn. The law is softmax(x / T)'s up to float rounding (relative ~1e-6 a token). */
+ * Then the block sums again, in the same order, until the running sum passes u S (the same float additions as S's,
+ * so for u < 1 some block does), and in that block its weights one by one (`block_weights`: the same arithmetic as
+ * the block's sum); where that block's own running sum falls short by rounding, its last id of positive weight.
+ * Ids of weight 0 are never drawn. The law is softmax(x / T)'s up to float rounding (relative ~1e-6 a token). */
 #include "_cpu_sample.h"
 
 #include "_cpu_exp.h"
@@ -138,18 +137,22 @@ __attribute__((target("avx2,fma"))) static float block_sum_avx2(const float *x, 
     return s;
 }
 
-/* The weight of id i inside a block, as block_sum_* computed it (the tail's in C; the vector part in lanes). */
-__attribute__((target("avx2,fma"))) static float weight_at_avx2(const float *x, int64_t i, int64_t n, float m,
-                                                                 float inv_t, float least) {
-    if (i >= n / 8 * 8) return weight_c(x[i], m, inv_t, least);
-    float lanes[8];
-    _mm256_storeu_ps(lanes, weights8(x + i / 8 * 8, _mm256_set1_ps(m), _mm256_set1_ps(inv_t), _mm256_set1_ps(least)));
-    return lanes[i % 8];
+/* w [n] = the weights of a block's n <= BLOCK_IDS ids, as block_sum_avx2 sums them (groups of 8 in lanes, the tail
+ * in C). */
+__attribute__((target("avx2,fma"))) static void block_weights_avx2(const float *x, int64_t n, float m, float inv_t,
+                                                                    float least, float *w) {
+    const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(inv_t), lv = _mm256_set1_ps(least);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(w + i, weights8(x + i, mv, tv, lv));
+    for (; i < n; i++) w[i] = weight_c(x[i], m, inv_t, least);
 }
 
-static float weight_at_c(const float *x, int64_t i, int64_t n, float m, float inv_t, float least) {
-    (void)n;
-    return weight_c(x[i], m, inv_t, least);
+static void block_weights(const float *x, int64_t n, float m, float inv_t, float least, float *w, int vector) {
+    if (vector) {
+        block_weights_avx2(x, n, m, inv_t, least, w);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) w[i] = weight_c(x[i], m, inv_t, least);
 }
 
 /* top_k: 0 (off) or the ids kept; copy: scratch for the selection, SELECT_FLOATS(V) floats. */
@@ -172,13 +175,13 @@ static int64_t sample_row(const float *x, int64_t V, float inv_t, float u, int64
     int64_t b = 0;
     for (; b + 1 < blocks && before + sums[b] <= threshold; b++) before += sums[b];
     const int64_t n = b + 1 < blocks ? BLOCK_IDS : V - b * BLOCK_IDS;
-    const float *xb = x + b * BLOCK_IDS;
+    float w[BLOCK_IDS];
+    block_weights(x + b * BLOCK_IDS, n, m, inv_t, least, w, vector);
     int64_t last = -1;
     for (int64_t i = 0; i < n; i++) {
-        const float w = vector ? weight_at_avx2(xb, i, n, m, inv_t, least) : weight_at_c(xb, i, n, m, inv_t, least);
-        if (w <= 0.0f) continue;
+        if (w[i] <= 0.0f) continue;
         last = i;
-        before += w;
+        before += w[i];
         if (before > threshold) return b * BLOCK_IDS + i;
     }
     if (last >= 0) return b * BLOCK_IDS + last;

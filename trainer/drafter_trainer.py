@@ -42,7 +42,7 @@ from specrl.engine.start import DAY0, NO_DRAFTER, build_drafter, start_weights
 from specrl.errors import InvalidRequestError, SpecrlError
 from specrl.models.drafter import EagleDrafter
 from specrl.redis_conn import REDIS_ERRORS
-from specrl.speculation.simulate import simulate_greedy
+from specrl.speculation.simulate import heldout_acceptance
 from specrl.telemetry.event_log import EventLog
 from specrl.telemetry.reader import RecordReader
 from specrl.telemetry.record import SegmentRecord
@@ -68,7 +68,9 @@ EVAL_SPACING = 2.0  # -> at most a third of the trainer's time goes to evaluatio
 
 class DrafterTrainer:
     def __init__(self, settings: Settings, model_dir: Path, reader: RecordReader, *, store: WeightsStore,
-                 publisher: Publisher | None, state_path: Path, events: EventLog | None = None):
+                 publisher: Publisher | None, state_path: Path, events: EventLog | None = None,
+                 day0_vocabulary: torch.Tensor | None = None):
+        """day0_vocabulary: a day-0 drafter's draft vocabulary (token ids; None: the first ids, as settings say)."""
         if settings.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {settings.objective!r}")
         if settings.unroll_steps < 0:
@@ -83,7 +85,7 @@ class DrafterTrainer:
         start = start_weights(settings, model_dir, store)
         if start.drafter == NO_DRAFTER:
             raise InvalidRequestError("the drafter trainer needs a drafter to train: --drafter day0 or a directory")
-        self.drafter = build_drafter(start.drafter, base, settings)
+        self.drafter = build_drafter(start.drafter, base, settings, day0_vocabulary)
         self.serving_version = start.drafter_version
         self.serving = copy.deepcopy(self.drafter)  # what replicas run: the bar a candidate must beat
         self.serving.retarget(base)
@@ -271,9 +273,7 @@ class DrafterTrainer:
     def evaluate(self, drafter: EagleDrafter) -> float | None:
         """Mean tokens per verify step (exact greedy, k = eval_k) over the held-out examples."""
         drafter.eval()
-        taus = [simulate_greedy(drafter, features, torch.tensor(example.tokens), example.start, self.settings.eval_k).tau
-                for example, features in self.heldout]
-        return sum(taus) / len(taus) if taus else None
+        return heldout_acceptance(drafter, self.heldout, self.settings.eval_k)[0]
 
     def maybe_publish(self) -> str | None:
         due = (self.step - self._last_eval_step >= self.settings.publish_every_steps

@@ -44,12 +44,14 @@ def start_weights(settings: Settings, base_dir: Path, store: WeightsStore | None
     return StartWeights(policy_dir, policy or settings.target_version, drafter, drafter_version)
 
 
-def build_drafter(drafter: str, target, settings: Settings):
-    """DAY0 / NO_DRAFTER / a directory -> an EagleDrafter sharing `target`'s embeddings, or None."""
+def build_drafter(drafter: str, target, settings: Settings, vocabulary=None):
+    """DAY0 / NO_DRAFTER / a directory -> an EagleDrafter sharing `target`'s embeddings, or None.
+    vocabulary: a day-0 drafter's draft vocabulary (token ids; None: the first draft_vocab_size ids)."""
     from specrl.models.drafter import EagleDrafter
 
     if drafter == NO_DRAFTER:
         return None
     if drafter == DAY0:
-        return EagleDrafter.day0(target, seed=settings.seed, draft_vocab_size=settings.draft_vocab_size)
+        return EagleDrafter.day0(target, seed=settings.seed, draft_vocab_size=settings.draft_vocab_size,
+                                 vocabulary=vocabulary)
     return EagleDrafter.load(Path(drafter), target)

@@ -181,18 +181,26 @@ class EagleDrafter(nn.Module):
 
     # ---- construction and files ----------------------------------------------------------
     @classmethod
-    def day0(cls, target: Llama, seed: int = 0, draft_vocab_size: int = 0) -> "EagleDrafter":
+    def day0(cls, target: Llama, seed: int = 0, draft_vocab_size: int = 0,
+             vocabulary: torch.Tensor | None = None) -> "EagleDrafter":
         """An untrained head: its layer starts from the target's top layer (a better start than
         noise: untrained truncated drafters accepted ~0.05 tokens per k=4 step), fc passes the feature through and adds a little of the embedding.
 
         draft_vocab_size 0 (or >= the target's) uses the target's head. Otherwise the draft
         vocabulary is the first `draft_vocab_size` token ids, with the target's head rows: a BPE
         vocabulary numbers its merges in the order they were learned, most frequent first
-        (on SmolLM2, ids below 8192 are 90% of the tokens it generates on the bundled prompts)."""
+        (on SmolLM2, ids below 8192 are 90% of the tokens it generates on the bundled prompts).
+        vocabulary [V_d] int64 (distinct target ids, e.g. `frequency_vocabulary`'s) names the draft
+        vocabulary instead of the first ids; draft_vocab_size is then ignored."""
         if draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {draft_vocab_size}")
+        if vocabulary is not None:
+            _check_vocabulary(vocabulary, target.cfg.vocab_size)
+            draft_vocab_size = len(vocabulary)
         reduced = 0 < draft_vocab_size < target.cfg.vocab_size
         drafter = cls(DrafterConfig.for_target(target.cfg, draft_vocab_size if reduced else None), target)
+        if reduced and vocabulary is not None:
+            drafter.draft_to_target.copy_(vocabulary)
         gen = torch.Generator().manual_seed(seed)
         h = target.cfg.hidden_size
         top = target.layers[-1]
@@ -236,3 +244,19 @@ class EagleDrafter(nn.Module):
                 raise IncompatibleDrafterError(f"drafter tensor {name} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
         drafter.load_state_dict(state)
         return drafter
+
+
+def frequency_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """counts [V] (how often each token id occurred, e.g. in the target's own outputs) -> the `size`
+    most frequent ids [size] int64, most frequent first; equal counts (unseen ids included) in id
+    order, so a vocabulary larger than what was seen fills up with the first ids, as `day0`'s does."""
+    if not 0 < size <= len(counts):
+        raise ValueError(f"a draft vocabulary of {size} ids must be in 1..{len(counts)}")
+    return torch.sort(-counts.long(), stable=True).indices[:size].clone()
+
+
+def _check_vocabulary(vocabulary: torch.Tensor, vocab_size: int) -> None:
+    if (vocabulary.dim() != 1 or len(vocabulary) == 0 or vocabulary.dtype != torch.long
+            or int(vocabulary.min()) < 0 or int(vocabulary.max()) >= vocab_size
+            or len(torch.unique(vocabulary)) != len(vocabulary)):
+        raise ValueError(f"a draft vocabulary must be distinct int64 token ids in 0..{vocab_size - 1}")

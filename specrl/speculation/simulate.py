@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specrl.models.drafter import EagleDrafter
+from specrl.speculation.quantities import SpecCounts
 
 
 @dataclass
@@ -59,3 +60,18 @@ def simulate_greedy(drafter: EagleDrafter, features: torch.Tensor, tokens: torch
         walk.append(a)
         position += a + 1
     return Acceptance(accepted, walk)
+
+
+def heldout_acceptance(drafter: EagleDrafter, heldout, k: int) -> tuple[float | None, SpecCounts]:
+    """heldout: (example, features [T-1, H] float32) pairs, each example's tokens the target's greedy
+    continuation from example.start on -> (acceptance length: tokens per verify step along each walk,
+    averaged over the examples, None without any; the drafts counted as a step of k at every pending
+    position whose k next tokens are known, for the per-position acceptance rates)."""
+    taus, counts = [], SpecCounts()
+    for example, features in heldout:
+        acceptance = simulate_greedy(drafter, features, torch.tensor(example.tokens), example.start, k)
+        taus.append(acceptance.tau)
+        whole = len(example.tokens) - k - max(example.start, 1)  # pending positions n with n + k < T
+        for accepted in acceptance.accepted[:max(whole, 0)].tolist():
+            counts.count(k, accepted)
+    return (sum(taus) / len(taus) if taus else None), counts

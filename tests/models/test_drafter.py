@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specrl.errors import IncompatibleDrafterError
-from specrl.models.drafter import CONFIG_FILE, DrafterConfig, EagleDrafter
+from specrl.models.drafter import CONFIG_FILE, DrafterConfig, EagleDrafter, frequency_vocabulary
 from specrl.models.llama import load_llama
 
 
@@ -50,6 +50,33 @@ def test_day0_reduced_vocabulary_is_the_targets_head_over_the_first_ids(target):
     ids = torch.tensor([0, 5, 63])
     assert drafter.to_draft_ids(drafter.to_target_ids(ids)).tolist() == ids.tolist()
     assert drafter.to_draft_ids(torch.tensor([64, 1000])).tolist() == [-1, -1]  # outside: no draft id
+
+
+def test_day0_named_vocabulary_is_the_targets_head_over_those_ids(target, tmp_path):
+    ids = torch.tensor([900, 3, 17, 500, 42])
+    drafter = EagleDrafter.day0(target, draft_vocab_size=64, vocabulary=ids)  # the size follows the ids
+    assert drafter.cfg.draft_vocab_size == 5 and drafter.draft_to_target.tolist() == ids.tolist()
+    hidden = torch.randn(3, target.cfg.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(drafter.logits(hidden), target.logits(hidden)[:, ids])
+    assert drafter.to_draft_ids(torch.tensor([17, 900, 4])).tolist() == [2, 0, -1]
+    drafter.save(tmp_path)  # the map travels with the weights
+    assert EagleDrafter.load(tmp_path, target).draft_to_target.tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 2], [-1, 4], [10 ** 6], []])
+def test_day0_vocabulary_of_bad_ids_is_refused(target, ids):
+    with pytest.raises(ValueError, match="distinct int64 token ids"):
+        EagleDrafter.day0(target, vocabulary=torch.tensor(ids, dtype=torch.long))
+
+
+def test_frequency_vocabulary_ranks_by_count_then_id():
+    counts = torch.tensor([0, 5, 2, 5, 0, 9, 1])
+    assert frequency_vocabulary(counts, 3).tolist() == [5, 1, 3]  # 1 and 3 tie: the lower id first
+    assert frequency_vocabulary(counts, 7).tolist() == [5, 1, 3, 2, 6, 0, 4]  # unseen ids fill up in id order
+    for size in (0, 8):
+        with pytest.raises(ValueError, match="1..7"):
+            frequency_vocabulary(counts, size)
 
 
 @pytest.mark.parametrize("size", [0, 10 ** 6])

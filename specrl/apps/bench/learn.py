@@ -17,7 +17,14 @@ CPU-second, trained on shipped vs recomputed target features, for each objective
    as it does for records without features).
 3. Every `--eval-every` CPU-seconds of training and at the end: held-out acceptance length (k = 4,
    exact greedy simulation, specrl/speculation/simulate.py `simulate_greedy`, tokens per verify step)
-   over the held-out requests, from their shipped features (the same for every run).
+   over the held-out requests, from their shipped features (the same for every run), and the
+   per-position acceptance rates of a k = 4 draft at every held-out position (the first one is the
+   first-token acceptance).
+Runs: objectives x sources x draft vocabularies (`--vocabularies`: `first8192`, the first ids as a
+day-0 drafter takes them; `frequent8192`, the ids the target itself generates most often in the
+recorded training traffic; `all`, the target's whole head). `--resume DIR` continues every run of an
+earlier report for `--minutes` more (its drafter, optimizer and curve were saved there), so one
+long curve is measured in pieces.
 JSON (the command, versions, settings, every curve) and a PNG: acceptance length against trained
 tokens and against training CPU-seconds, one line per run; a table at the end with ratios.
 """
@@ -42,6 +49,7 @@ from specrl.apps.bench.backends import machine_line
 from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.config import Settings
 from specrl.errors import InvalidRequestError
+from specrl.models.llama import LlamaConfig
 
 MIX = {"chat": 1, "code": 1, "math": 1, "structured": 1}
 SOURCES = ("shipped", "recomputed")
@@ -59,6 +67,11 @@ def register(sub) -> None:
     p.add_argument("--heldout", type=int, default=32, help="held-out prompts recorded")
     p.add_argument("--max-tokens", type=int, default=128, help="greedy tokens per recorded prompt")
     p.add_argument("--eval-every", type=float, default=30.0, help="CPU-seconds of training between evaluations")
+    p.add_argument("--vocabularies", default=None,
+                   help="comma-separated draft vocabularies: firstN (the first N ids), frequentN (the N ids the target "
+                        "generates most often in the recorded traffic), all (default: --draft-vocab-size's firstN)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue every run of the report in DIR for --minutes more (its settings and traffic)")
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-learn-<time>)")
     add_settings(p, *COMMON, "model", "dtype", "draft_vocab_size", "train_records", "train_positions", "lr",
                  "unroll_steps", "seed", "record_features_max_bytes")
@@ -66,9 +79,15 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_learn_bench(settings_from(args), minutes=args.minutes, objectives=_names(args.objectives),
+    settings = settings_from(args)
+    if args.resume:
+        resume_learn_bench(settings, Path(args.resume), minutes=args.minutes, eval_every_s=args.eval_every)
+        return 0
+    vocabularies = _names(args.vocabularies or default_vocabulary(settings.draft_vocab_size))
+    run_learn_bench(settings, minutes=args.minutes, objectives=_names(args.objectives),
                     sources=_names(args.sources), prompts=args.prompts, heldout=args.heldout,
-                    max_tokens=args.max_tokens, eval_every_s=args.eval_every, out_dir=args.out)
+                    max_tokens=args.max_tokens, eval_every_s=args.eval_every, out_dir=args.out,
+                    vocabularies=vocabularies)
     return 0
 
 
@@ -77,40 +96,119 @@ def _names(text: str) -> list[str]:
 
 
 def run_learn_bench(settings: Settings, *, minutes: float, objectives: list[str], sources: list[str], prompts: int,
-                    heldout: int, max_tokens: int, eval_every_s: float, out_dir: str | None) -> dict:
-    """Record (or load) the traffic, train every objective x source, print a table, write JSON + PNG."""
+                    heldout: int, max_tokens: int, eval_every_s: float, out_dir: str | None,
+                    vocabularies: list[str] | None = None) -> dict:
+    """Record (or load) the traffic, train every objective x source x vocabulary, print a table, write JSON + PNG."""
     from specrl.apps.bench.backends import machine_record, settings_record
     from specrl.assets import resolve_model
     from specrl.trainer.objectives import OBJECTIVES
 
+    vocabularies = vocabularies or _names(default_vocabulary(settings.draft_vocab_size))
     if (not objectives or set(objectives) - set(OBJECTIVES) or not sources or set(sources) - set(SOURCES)
             or minutes <= 0 or prompts < 1 or heldout < 1 or max_tokens < 1 or eval_every_s <= 0):
         raise InvalidRequestError(f"--objectives must name some of {', '.join(OBJECTIVES)}, --sources some of "
                                   f"{', '.join(SOURCES)}; --minutes, --prompts, --heldout, --max-tokens and "
                                   "--eval-every must be > 0")
+    model_dir = resolve_model(settings.model, settings.home)
+    vocab_size = LlamaConfig.from_dir(model_dir).vocab_size
+    for name in vocabularies:
+        parse_vocabulary(name, vocab_size)
     out = Path(out_dir) if out_dir else settings.home / "reports" / f"bench-learn-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_model(settings.model, settings.home)
     machine = {"start": machine_record()}
     traffic = record_traffic(settings, model_dir, prompts, heldout, max_tokens)
-    runs = [train_run(settings, model_dir, traffic, objective, source, minutes, eval_every_s)
-            for objective in objectives for source in sources]
+    counts = generated_counts(traffic["train"], vocab_size)
+    runs = [train_run(settings, model_dir, traffic, objective, source, minutes, eval_every_s,
+                      vocabulary=vocabulary, counts=counts, state_dir=out)
+            for objective in objectives for source in sources for vocabulary in vocabularies]
     machine["end"] = machine_record()
-    result = {"command": sys.argv, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "model": settings.model, "machine": machine,
+    result = {"command": [sys.argv], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "model": settings.model, "machine": [machine],
               "settings": settings_record(settings),
               "minutes": minutes, "eval_every_s": eval_every_s, "eval_k": FIXED_K,
               "traffic": {k: v for k, v in traffic.items() if k not in ("train", "heldout")},
-              "measurement": {"cpu_seconds": "time.process_time() of this process (all threads), evaluation excluded",
-                              "acceptance_length": "mean tokens per verify step of exact greedy decoding, k = 4, over "
-                                                   "the held-out requests (specrl.speculation.simulate.simulate_greedy)",
-                              "trained_tokens": "drafter positions in the loss (the trainer's use=trained)"},
-              "runs": runs, "summary": summarize(runs)}
+              "measurement": MEASUREMENT, "runs": runs, "summary": summarize(runs)}
+    return _write(result, out)
+
+
+def resume_learn_bench(settings: Settings, report_dir: Path, *, minutes: float, eval_every_s: float) -> dict:
+    """Continue every run of the report in report_dir for `minutes` more CPU-minutes, from the drafter and
+    optimizer it saved, on the same traffic (recorded with the report's settings) -> the report, extended."""
+    from specrl.apps.bench.backends import machine_record
+    from specrl.assets import resolve_model
+
+    path = report_dir / "bench-learn.json"
+    try:
+        result = json.loads(path.read_text())
+        saved = result["traffic"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise InvalidRequestError(f"--resume {report_dir}: not a bench learn report ({exc})") from None
+    if minutes <= 0 or eval_every_s <= 0:
+        raise InvalidRequestError("--minutes and --eval-every must be > 0")
+    settings = settings.replace(**{k: result["settings"][k] for k in RESUMED_SETTINGS if k in result["settings"]})
+    model_dir = resolve_model(settings.model, settings.home)
+    machine = {"start": machine_record()}
+    traffic = record_traffic(settings, model_dir, saved["prompts"], saved["heldout_prompts"], saved["max_tokens"])
+    counts = generated_counts(traffic["train"], LlamaConfig.from_dir(model_dir).vocab_size)
+    runs = [train_run(settings, model_dir, traffic, run["objective"], run["source"], minutes, eval_every_s,
+                      vocabulary=run["vocabulary"], counts=counts, state_dir=report_dir, earlier=run)
+            for run in result["runs"]]
+    machine["end"] = machine_record()
+    result.update(runs=runs, summary=summarize(runs), minutes=result["minutes"] + minutes,
+                  command=result["command"] + [sys.argv], machine=result["machine"] + [machine])
+    return _write(result, report_dir)
+
+
+# what a resumed run takes from the report, whatever the command line says: the traffic's and the trainer's settings
+RESUMED_SETTINGS = ("model", "dtype", "seed", "draft_vocab_size", "train_records", "train_positions", "lr",
+                    "unroll_steps", "record_features_max_bytes")
+MEASUREMENT = {"cpu_seconds": "time.process_time() of this process (all threads), evaluation excluded",
+               "acceptance_length": "mean tokens per verify step of exact greedy decoding, k = 4, over "
+                                    "the held-out requests (specrl.speculation.simulate.simulate_greedy)",
+               "per_position_acceptance_rate": "a k = 4 draft at every held-out position whose 4 next tokens are "
+                                               "known: the share of them whose draft i was accepted (vLLM's "
+                                               "per-position rate; position 1 is the first-token acceptance)",
+               "trained_tokens": "drafter positions in the loss (the trainer's use=trained)"}
+
+
+def _write(result: dict, out: Path) -> dict:
     (out / "bench-learn.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "bench-learn.png")
     print_table(result)
     print(f"report: {out / 'bench-learn.json'}\nchart:  {out / 'bench-learn.png'}")
     return result
+
+
+# ---- draft vocabularies -------------------------------------------------------------------------
+def default_vocabulary(draft_vocab_size: int) -> str:
+    return f"first{draft_vocab_size}" if draft_vocab_size else "all"
+
+
+def parse_vocabulary(name: str, vocab_size: int) -> tuple[str, int]:
+    """"first8192" / "frequent8192" / "all" -> (kind, ids); a size of the whole vocabulary or more is "all"."""
+    for kind in ("first", "frequent"):
+        if name.startswith(kind) and name[len(kind):].isdigit() and int(name[len(kind):]) > 0:
+            size = int(name[len(kind):])
+            return ("all", vocab_size) if size >= vocab_size else (kind, size)
+    if name == "all":
+        return "all", vocab_size
+    raise InvalidRequestError(f"--vocabularies: {name!r} is not firstN, frequentN (N > 0) or all")
+
+
+def generated_counts(records: list, vocab_size: int) -> torch.Tensor:
+    """How often the target generated each token id in the records (prompts excluded) -> [vocab_size] int64."""
+    tokens = [t for r in records for t in r.tokens if 0 <= t < vocab_size]
+    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size)
+
+
+def day0_vocabulary(name: str, counts: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """-> (draft_vocab_size setting, explicit vocabulary or None) for a day-0 drafter of that vocabulary."""
+    from specrl.models.drafter import frequency_vocabulary
+
+    kind, size = parse_vocabulary(name, len(counts))
+    if kind == "frequent":
+        return size, frequency_vocabulary(counts, size)
+    return (0, None) if kind == "all" else (size, None)
 
 
 # ---- traffic ------------------------------------------------------------------------------------
@@ -176,25 +274,34 @@ def _record(settings: Settings, prompts: int, heldout: int, max_tokens: int) -> 
 
 # ---- training -----------------------------------------------------------------------------------
 def train_run(settings: Settings, model_dir: Path, traffic: dict, objective: str, source: str, minutes: float,
-              eval_every_s: float) -> dict:
-    """One day-0 drafter trained by `DrafterTrainer.train` on the traffic for `minutes` CPU-minutes."""
+              eval_every_s: float, *, vocabulary: str, counts: torch.Tensor, state_dir: Path,
+              earlier: dict | None = None) -> dict:
+    """One day-0 drafter of that draft vocabulary trained by `DrafterTrainer.train` on the traffic for
+    `minutes` CPU-minutes (after the run `earlier`, resumed from its state in state_dir); its drafter,
+    optimizer and place in the traffic are saved in state_dir for a later resume."""
     from tqdm import tqdm
 
     from specrl.trainer.drafter_trainer import DrafterTrainer
     from specrl.weights import WeightsStore
 
+    name = f"{objective}/{source}/{vocabulary}"
+    draft_vocab_size, ids = day0_vocabulary(vocabulary, counts)
     with tempfile.TemporaryDirectory(prefix="specrl-bench-learn-") as tmp:
         run_settings = settings.replace(objective=objective, drafter="day0", trainer_recompute=source == "recomputed",
-                                        store=str(Path(tmp) / "store"), trainer_replay_records=0)
+                                        store=str(Path(tmp) / "store"), trainer_replay_records=0,
+                                        draft_vocab_size=draft_vocab_size)
         trainer = DrafterTrainer(run_settings, model_dir, None, store=WeightsStore(run_settings.store_path),
-                                 publisher=None, state_path=Path(tmp) / "state.pt")
+                                 publisher=None, state_path=Path(tmp) / "state.pt", day0_vocabulary=ids)
         examples = _examples(traffic["train"], trainer.book.hidden_size)
         trainer.heldout = deque(_heldout(traffic["heldout"], trainer.book.hidden_size))
         _warm_up(trainer, _as_source(examples[: settings.train_records], source))
-        curve = [_point(trainer, 0.0, 0.0, 0)]
-        cpu = wall = 0.0
-        next_eval, i, epochs, budget = eval_every_s, 0, 0, minutes * 60
-        with tqdm(total=budget, desc=f"bench learn: {objective}/{source}", file=sys.stderr, leave=False,
+        state_path = state_dir / f"state-{name.replace('/', '-')}.pt"
+        if earlier is None:
+            curve, cpu, wall, i, epochs = [_point(trainer, 0.0, 0.0, 0)], 0.0, 0.0, 0, 0
+        else:
+            curve, cpu, wall, i, epochs = _restore(trainer, state_path, earlier)
+        next_eval, budget = cpu + eval_every_s, cpu + minutes * 60
+        with tqdm(total=budget, initial=cpu, desc=f"bench learn: {name}", file=sys.stderr, leave=False,
                   bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} CPU-s [{elapsed}<{remaining}{postfix}]") as bar:
             bar.set_postfix(acceptance=f"{curve[0]['acceptance_length']:.3f}")
             while cpu < budget:
@@ -212,10 +319,14 @@ def train_run(settings: Settings, model_dir: Path, traffic: dict, objective: str
                     next_eval = cpu + eval_every_s
                     bar.set_postfix(acceptance=f"{curve[-1]['acceptance_length']:.3f}",
                                     tokens=trainer.tokens["trained"])
-        _progress(f"{objective}/{source}: {len(examples)} training examples, {len(trainer.heldout)} held out; "
+        _save(trainer, state_path, i, epochs)
+        _progress(f"{name}: {len(examples)} training examples, {len(trainer.heldout)} held out; "
                   f"acceptance length {curve[0]['acceptance_length']:.3f} -> {curve[-1]['acceptance_length']:.3f} "
                   f"after {trainer.tokens['trained']} tokens, {cpu:.0f} CPU-s")
-        return {"objective": objective, "source": source, "curve": curve, "steps": trainer.step,
+        return {"objective": objective, "source": source, "vocabulary": vocabulary,
+                "draft_vocab_size": trainer.drafter.cfg.draft_vocab_size,
+                "vocabulary_share_of_generated": _share(trainer.drafter, counts),
+                "curve": curve, "steps": trainer.step,
                 "training_examples": len(examples), "heldout_requests": len(trainer.heldout),
                 "trainer_recomputed_tokens": trainer.tokens["trainer_recomputed"],
                 "full_target_loaded": bool(trainer.targets.loaded_full), "epochs": epochs}
@@ -243,8 +354,42 @@ def _warm_up(trainer, batch: list) -> None:
 
 
 def _point(trainer, cpu: float, wall: float, epochs: int) -> dict:
+    from specrl.speculation.simulate import heldout_acceptance
+
+    trainer.drafter.eval()
+    length, counts = heldout_acceptance(trainer.drafter, trainer.heldout, FIXED_K)
+    rates = counts.per_position_acceptance_rate()
     return {"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "trained_tokens": trainer.tokens["trained"],
-            "steps": trainer.step, "epochs": epochs, "acceptance_length": trainer.evaluate(trainer.drafter)}
+            "steps": trainer.step, "epochs": epochs, "acceptance_length": length,
+            "first_token_acceptance": round(rates[0], 4) if rates else None,
+            "per_position_acceptance_rate": [round(r, 4) for r in rates]}
+
+
+def _share(drafter, counts: torch.Tensor) -> float:
+    """The share of the generated tokens that the drafter's vocabulary holds."""
+    ids = drafter.draft_to_target if drafter.draft_to_target is not None else torch.arange(len(counts))
+    return round(float(counts[ids].sum() / counts.sum().clamp(min=1)), 4)
+
+
+def _save(trainer, path: Path, position: int, epochs: int) -> None:
+    """What a resumed run needs beyond its curve: the drafter, the optimizer, the counters, its place in the traffic."""
+    torch.save({"drafter": trainer.drafter.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                "step": trainer.step, "tokens": dict(trainer.tokens), "position": position, "epochs": epochs}, path)
+
+
+def _restore(trainer, path: Path, earlier: dict) -> tuple[list, float, float, int, int]:
+    """A run's saved state back into a fresh trainer -> (curve, CPU-s, wall-s, place in the traffic, epochs)."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError) as exc:
+        raise InvalidRequestError(f"--resume: cannot read {path}: {exc}") from None
+    trainer.drafter.load_state_dict(state["drafter"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer._scaled = True  # the saved drafter carries the feature scale its first step set
+    trainer.step = state["step"]
+    trainer.tokens = Counter(state["tokens"])
+    last = earlier["curve"][-1]
+    return list(earlier["curve"]), last["cpu_s"], last["wall_s"], state["position"], state["epochs"]
 
 
 def _examples(records: list, hidden_size: int) -> list:
@@ -288,25 +433,36 @@ def summarize(runs: list[dict]) -> dict:
     out = {}
     for r in runs:
         first, last = r["curve"][0], r["curve"][-1]
-        out[f"{r['objective']}/{r['source']}"] = {
+        out[_run_name(r)] = {
             "acceptance_length": [first["acceptance_length"], last["acceptance_length"]],
+            "first_token_acceptance": [first.get("first_token_acceptance"), last.get("first_token_acceptance")],
             "trained_tokens": last["trained_tokens"], "cpu_s": last["cpu_s"],
             "tokens_per_cpu_s": last["trained_tokens"] / last["cpu_s"] if last["cpu_s"] else None}
-    for objective in {r["objective"] for r in runs}:
-        shipped, recomputed = out.get(f"{objective}/shipped"), out.get(f"{objective}/recomputed")
+    for objective, vocabulary in {(r["objective"], r.get("vocabulary")) for r in runs}:
+        shipped = out.get(_run_name({"objective": objective, "source": "shipped", "vocabulary": vocabulary}))
+        recomputed = out.get(_run_name({"objective": objective, "source": "recomputed", "vocabulary": vocabulary}))
         if shipped and recomputed and shipped["tokens_per_cpu_s"] and recomputed["tokens_per_cpu_s"]:
-            out[f"{objective}/shipped_over_recomputed_tokens_per_cpu_s"] = (shipped["tokens_per_cpu_s"]
-                                                                            / recomputed["tokens_per_cpu_s"])
+            key = "/".join(x for x in (objective, vocabulary, "shipped_over_recomputed_tokens_per_cpu_s") if x)
+            out[key] = shipped["tokens_per_cpu_s"] / recomputed["tokens_per_cpu_s"]
     return out
 
 
+def _run_name(run: dict) -> str:
+    """objective/source, and /vocabulary where the run names one (reports before vocabularies have none)."""
+    return "/".join(x for x in (run["objective"], run["source"], run.get("vocabulary")) if x)
+
+
 def print_table(result: dict) -> None:
-    for when, machine in result["machine"].items():
-        print(f"machine ({when}): {machine_line(machine)}")
-    print(f"{'run':<20} {'acc.k4 start':>12} {'end':>6} {'tokens':>8} {'CPU s':>7} {'tok/CPU s':>9}")
+    machines = result["machine"] if isinstance(result["machine"], list) else [result["machine"]]
+    for piece, machine in enumerate(machines):
+        for when, reading in machine.items():
+            print(f"machine (piece {piece + 1}, {when}): {machine_line(reading)}")
+    print(f"{'run':<30} {'acc.k4 start':>12} {'end':>6} {'first tok':>9} {'tokens':>8} {'CPU s':>7} {'tok/CPU s':>9}")
     for name, s in result["summary"].items():
         if isinstance(s, dict):
-            print(f"{name:<20} {s['acceptance_length'][0]:>12.3f} {s['acceptance_length'][1]:>6.3f} "
+            first = (s.get("first_token_acceptance") or [None, None])[1]
+            print(f"{name:<30} {s['acceptance_length'][0]:>12.3f} {s['acceptance_length'][1]:>6.3f} "
+                  f"{'-' if first is None else f'{first:.3f}':>9} "
                   f"{s['trained_tokens']:>8} {s['cpu_s']:>7.1f} {s['tokens_per_cpu_s'] or 0:>9.1f}")
     for name, ratio in result["summary"].items():
         if not isinstance(ratio, dict):
@@ -319,9 +475,8 @@ def plot(result: dict, path: Path) -> None:
     fig = Figure(figsize=(12, 5))
     by_tokens, by_cpu = fig.subplots(1, 2, sharey=True)
     for i, r in enumerate(result["runs"]):
-        style = dict(color=f"C{['kl', 'kl_neg', 'pg'].index(r['objective'])}",
-                     linestyle="-" if r["source"] == "shipped" else "--", marker="o", markersize=3,
-                     label=f"{r['objective']} {r['source']}")
+        style = dict(color=f"C{i % 10}", linestyle="-" if r["source"] == "shipped" else "--", marker="o", markersize=3,
+                     label=_run_name(r).replace("/", " "))
         curve = r["curve"]
         by_tokens.plot([p["trained_tokens"] for p in curve], [p["acceptance_length"] for p in curve], **style)
         by_cpu.plot([p["cpu_s"] for p in curve], [p["acceptance_length"] for p in curve], **style)
@@ -330,6 +485,7 @@ def plot(result: dict, path: Path) -> None:
     by_cpu.legend(fontsize="small")
     fig.suptitle(f"bench learn: {result['model']}, {result['traffic']['train_records']} records "
                  f"({result['traffic']['train_tokens']} tokens), {result['minutes']:g} CPU-min per run")
+    by_tokens.set_xscale("symlog", linthresh=1000)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

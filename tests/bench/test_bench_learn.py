@@ -86,6 +86,11 @@ def test_bench_learn_vocabularies_and_resume(home, tiny_dir, tmp_path, cache):
         assert end["trained_tokens"] > last["trained_tokens"] and end["cpu_s"] >= last["cpu_s"] + 0.02 * 60
         assert end["steps"] > last["steps"]
 
+    for state in tmp_path.glob("state-*.pt"):  # a run whose saved state is gone cannot go on: one clear error
+        state.write_bytes(b"truncated")
+    with pytest.raises(InvalidRequestError, match="cannot restore the run"):
+        resume_learn_bench(settings, tmp_path, minutes=0.02, eval_every_s=0.5)
+
 
 @pytest.mark.parametrize("name,expected", [("first100", ("first", 100)), ("frequent7", ("frequent", 7)),
                                            ("all", ("all", 1000)), ("first5000", ("all", 1000))])

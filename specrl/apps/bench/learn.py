@@ -151,11 +151,14 @@ def resume_learn_bench(settings: Settings, report_dir: Path, *, minutes: float, 
     traffic = record_traffic(settings, model_dir, saved["prompts"], saved["heldout_prompts"], saved["max_tokens"])
     counts = generated_counts(traffic["train"], LlamaConfig.from_dir(model_dir).vocab_size)
     runs = [train_run(settings, model_dir, traffic, run["objective"], run["source"], minutes, eval_every_s,
-                      vocabulary=run["vocabulary"], counts=counts, state_dir=report_dir, earlier=run)
+                      vocabulary=run.get("vocabulary") or default_vocabulary(settings.draft_vocab_size),
+                      counts=counts, state_dir=report_dir, earlier=run)
             for run in result["runs"]]
     machine["end"] = machine_record()
+    earlier_machines = result["machine"] if isinstance(result["machine"], list) else [result["machine"]]
+    earlier_commands = result["command"] if result["command"] and isinstance(result["command"][0], list) else [result["command"]]
     result.update(runs=runs, summary=summarize(runs), minutes=result["minutes"] + minutes,
-                  command=result["command"] + [sys.argv], machine=result["machine"] + [machine])
+                  command=earlier_commands + [sys.argv], machine=earlier_machines + [machine])
     return _write(result, report_dir)
 
 
@@ -381,10 +384,10 @@ def _restore(trainer, path: Path, earlier: dict) -> tuple[list, float, float, in
     """A run's saved state back into a fresh trainer -> (curve, CPU-s, wall-s, place in the traffic, epochs)."""
     try:
         state = torch.load(path, weights_only=True)
-    except (OSError, RuntimeError) as exc:
-        raise InvalidRequestError(f"--resume: cannot read {path}: {exc}") from None
-    trainer.drafter.load_state_dict(state["drafter"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.drafter.load_state_dict(state["drafter"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+    except Exception as exc:  # a missing, truncated or foreign file: whatever torch.load raises for it
+        raise InvalidRequestError(f"--resume: cannot restore the run from {path}: {exc}") from None
     trainer._scaled = True  # the saved drafter carries the feature scale its first step set
     trainer.step = state["step"]
     trainer.tokens = Counter(state["tokens"])

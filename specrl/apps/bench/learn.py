@@ -473,22 +473,28 @@ def print_table(result: dict) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Held-out acceptance length against trained tokens and against CPU-seconds, and the first-token
+    acceptance against trained tokens (where the report has it), one line per run."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 5))
-    by_tokens, by_cpu = fig.subplots(1, 2, sharey=True)
+    fig = Figure(figsize=(15, 4.8))
+    by_tokens, by_cpu, first = fig.subplots(1, 3)
+    by_cpu.sharey(by_tokens)
     for i, r in enumerate(result["runs"]):
         style = dict(color=f"C{i % 10}", linestyle="-" if r["source"] == "shipped" else "--", marker="o", markersize=3,
                      label=_run_name(r).replace("/", " "))
         curve = r["curve"]
-        by_tokens.plot([p["trained_tokens"] for p in curve], [p["acceptance_length"] for p in curve], **style)
+        tokens = [p["trained_tokens"] for p in curve]
+        by_tokens.plot(tokens, [p["acceptance_length"] for p in curve], **style)
         by_cpu.plot([p["cpu_s"] for p in curve], [p["acceptance_length"] for p in curve], **style)
+        if all(p.get("first_token_acceptance") is not None for p in curve):
+            first.plot(tokens, [p["first_token_acceptance"] for p in curve], **style)
     by_tokens.set(xlabel="trained tokens", ylabel=f"held-out acceptance length (k={result['eval_k']})")
     by_cpu.set(xlabel="training CPU-seconds")
+    first.set(xlabel="trained tokens", ylabel="held-out first-token acceptance")
     by_cpu.legend(fontsize="small")
     fig.suptitle(f"bench learn: {result['model']}, {result['traffic']['train_records']} records "
                  f"({result['traffic']['train_tokens']} tokens), {result['minutes']:g} CPU-min per run")
-    by_tokens.set_xscale("symlog", linthresh=1000)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -306,7 +306,7 @@ def train_run(settings: Settings, model_dir: Path, traffic: dict, objective: str
         next_eval, budget = cpu + eval_every_s, cpu + minutes * 60
         with tqdm(total=budget, initial=cpu, desc=f"bench learn: {name}", file=sys.stderr, leave=False,
                   bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} CPU-s [{elapsed}<{remaining}{postfix}]") as bar:
-            bar.set_postfix(acceptance=f"{curve[0]['acceptance_length']:.3f}")
+            bar.set_postfix(acceptance=f"{curve[-1]['acceptance_length']:.3f}")
             while cpu < budget:
                 batch = _as_source(examples[i: i + settings.train_records], source)
                 i += settings.train_records

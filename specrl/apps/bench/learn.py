@@ -83,11 +83,10 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         resume_learn_bench(settings, Path(args.resume), minutes=args.minutes, eval_every_s=args.eval_every)
         return 0
-    vocabularies = _names(args.vocabularies or default_vocabulary(settings.draft_vocab_size))
     run_learn_bench(settings, minutes=args.minutes, objectives=_names(args.objectives),
                     sources=_names(args.sources), prompts=args.prompts, heldout=args.heldout,
                     max_tokens=args.max_tokens, eval_every_s=args.eval_every, out_dir=args.out,
-                    vocabularies=vocabularies)
+                    vocabularies=_names(args.vocabularies or ""))
     return 0
 
 
@@ -98,7 +97,8 @@ def _names(text: str) -> list[str]:
 def run_learn_bench(settings: Settings, *, minutes: float, objectives: list[str], sources: list[str], prompts: int,
                     heldout: int, max_tokens: int, eval_every_s: float, out_dir: str | None,
                     vocabularies: list[str] | None = None) -> dict:
-    """Record (or load) the traffic, train every objective x source x vocabulary, print a table, write JSON + PNG."""
+    """Record (or load) the traffic, train every objective x source x vocabulary (none given: the settings'
+    draft_vocab_size's), print a table, write JSON + PNG."""
     from specrl.apps.bench.backends import machine_record, settings_record
     from specrl.assets import resolve_model
     from specrl.trainer.objectives import OBJECTIVES

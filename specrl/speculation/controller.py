@@ -51,6 +51,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from specrl.speculation.propose import propose
+from specrl.speculation.sampling import RowSampler, SamplingParams
 from specrl.speculation.suffix_acceptance import SuffixAcceptance
 from specrl.speculation.suffix_index import SuffixDraft
 
@@ -99,11 +103,10 @@ class CostModel:
     @classmethod
     def measure(cls, target, drafter, batches: list[int], positions: list[int], rounds: int = 3) -> "CostModel":
         """The prior, timed: a target forward (+ logits) over each T in `positions` for each B in
-        `batches`, and one drafter pass per B (when there is a drafter), on scratch KV caches; each
+        `batches`, and one drafter pass per B (when there is a drafter): `propose` drafting one greedy
+        token a row (its forward over one pending entry, the head, the argmax), on scratch KV caches; each
         the fastest of `rounds` rounds over all the points, after one warm-up call each; then made
         non-decreasing in T and in B (`_non_decreasing`)."""
-        import torch
-
         cache = target.new_cache(max(batches), max(positions) + 1)
         draft_cache = drafter.new_cache(max(batches), 2) if drafter is not None else None
         costs = cls()
@@ -115,10 +118,11 @@ class CostModel:
                 timings.append((costs.target, (bsz, t), lambda x=tokens, s=slots, p=start:
                                 target.logits(target(x, s, p, cache))))
             if drafter is not None:
-                one = torch.zeros(bsz, 1, dtype=torch.long)
+                one, ones = torch.zeros(bsz, 1, dtype=torch.long), torch.ones(bsz, dtype=torch.long)
                 feats = torch.zeros(bsz, 1, target.cfg.hidden_size, dtype=target.dtype)
-                timings.append((costs.draft, bsz, lambda f=feats, x=one, s=slots, p=start:
-                                drafter.logits(drafter(f, x, s, p, draft_cache))))
+                greedy = RowSampler.of([SamplingParams(temperature=0.0)] * bsz, [torch.Generator()] * bsz)
+                timings.append((costs.draft, bsz, lambda f=feats, x=one, n=ones, s=slots, p=start, g=greedy:
+                                propose(drafter, draft_cache, s, p, f, x, n, 1, g, p)))
         with torch.inference_mode():
             for _, _, fn in timings:
                 fn()  # warm-up

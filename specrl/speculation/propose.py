@@ -15,7 +15,8 @@ import torch
 
 from specrl.kernels import inverse_cdf_sample
 from specrl.models.drafter import EagleDrafter
-from specrl.models.kv_cache import KVCache
+from specrl.models.kv_cache import CacheBatch, KVCache
+from specrl.models.linear import cpu_kernels
 from specrl.speculation.sampling import RowSampler
 from specrl.speculation.suffix_index import SuffixDraft
 
@@ -104,16 +105,20 @@ def propose(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: t
     predicted hidden state and the token it just drafted."""
     rows = torch.arange(len(slots))
     hidden = catch_up(drafter, cache, slots, start, features, tokens)[rows, lengths - 1]  # [B, H]
-    position = start + lengths
+    position = start + lengths  # [B]: where each row's first further pass writes
+    batch = CacheBatch(cache, slots, position, 1) if k > 1 else None  # built once, advanced a pass
     out_tokens, out_probs, out_logprobs = [], [], []
     eos_ids = drafter.target.cfg.eos_token_ids
+    all_greedy = sampler.all_greedy
     for i in range(k):
         # the head's logits [B, V_d], processed as the target's are, the tokens drafted so far counted as generated
-        drafted = torch.stack(out_tokens, 1) if out_tokens and sampler.adjust is not None else None
-        logits = sampler.adjusted(drafter.logits(hidden)[:, None], drafted, eos_ids, drafter.draft_to_target)[:, 0]
-        if sampler.all_greedy:  # the argmax alone: no distribution, no uniforms (~0.2 ms a draft token)
-            draft_ids = logits.argmax(-1)
-            out_logprobs.append(torch.log_softmax(logits, -1)[rows, draft_ids])
+        logits = drafter.logits(hidden)
+        if sampler.adjust is not None:
+            drafted = torch.stack(out_tokens, 1) if out_tokens else None
+            logits = sampler.adjusted(logits[:, None], drafted, eos_ids, drafter.draft_to_target)[:, 0]
+        if all_greedy:  # the argmax alone: no distribution, no uniforms (~0.2 ms a draft token)
+            draft_ids, logprobs = argmax_logprob(logits)
+            out_logprobs.append(logprobs)
         else:
             probs = sampler.distribution(logits[:, None])[:, 0]
             uniforms = sampler.uniforms(1, positions + i)[:, 0]
@@ -122,13 +127,29 @@ def propose(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: t
             out_probs.append(_to_target_vocab(drafter, probs))
         token = drafter.to_target_ids(draft_ids)
         out_tokens.append(token)
-        if i + 1 < k:
-            hidden = drafter(hidden[:, None], token[:, None], slots, position, cache)[:, 0]
-            position = position + 1
+        if i + 1 < k and batch.fused:
+            if i:
+                batch.advance()
+            hidden = drafter.step(hidden, token, batch)
+        elif i + 1 < k:  # a cache the C kernels do not take (bfloat16): the batch is built each pass
+            hidden = drafter(hidden[:, None], token[:, None], slots, position + i, cache)[:, 0]
     if k == 0:
         return Draft.empty(len(slots))
     return Draft(torch.stack(out_tokens, 1), torch.stack(out_probs, 1) if out_probs else None,
                  torch.stack(out_logprobs, 1))
+
+
+def argmax_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> (ids [B] int64, the first index of each row's max as torch's argmax gives it;
+    logprobs [B] float32, log softmax of the row there): a greedy draft and its log q at temperature 1. One
+    C pass a row where built (`_cpu_kernels.argmax_logprob_rows`: torch's argmax + logsumexp took ~60 of a
+    ~350 us drafter pass at B = 1)."""
+    if cpu_kernels is None or not logits.is_contiguous() or logits.dtype != torch.float32:
+        ids = logits.argmax(-1)
+        return ids, torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0]
+    ids, logprobs = torch.empty(logits.shape[0], dtype=torch.long), torch.empty(logits.shape[0])
+    cpu_kernels.argmax_logprob_rows(ids.data_ptr(), logprobs.data_ptr(), logits.data_ptr(), *logits.shape)
+    return ids, logprobs
 
 
 def _to_target_vocab(drafter: EagleDrafter, probs: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,12 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
         assert (r["compute_floor_ms"] is None) == (instruction not in curve["peak_macs_per_s"])
         assert r["floor_ms"] == max(r["bytes_floor_ms"], r["compute_floor_ms"] or 0)
         assert r["of_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
+    passes = {(r["dtype"], r["batch"]): r for r in report["draft_pass"]}  # the head's pass against a plain step
+    assert set(passes) == {(d, b) for d in dtypes for b in (1, 2)}
+    for r in passes.values():
+        assert r["draft_pass_ms"] > 0 and r["target_step_ms"] > 0
+        assert r["pass_over_step"] == pytest.approx(r["draft_pass_ms"] / r["target_step_ms"])
+        assert 0 < r["drafter_weight_bytes"] < r["target_weight_bytes"]
 
     png = tmp_path / "bench-engine.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE
@@ -82,6 +88,7 @@ def test_bench_engine_writes_json_and_png(tmp_path, capsys):
     assert height > 100 and width > 100
     out = capsys.readouterr().out
     assert "native_plain" in out and str(tmp_path / "bench-engine.json") in out and "x of its floor" in out
+    assert "drafter pass (float32, B=2" in out
 
 
 def test_ratios_vllm_over_native_only_where_both_ran():

@@ -38,6 +38,8 @@ for tokens/s and TTFT. Besides throughput the report holds:
   engine costs beyond the model;
 - with `--backend ...,llamacpp`, llama.cpp's `llama-batched-bench` on the same weights as GGUFs, right after
   our rows of each dtype (`llamacpp.py`: its builds, GGUFs and rows), and the decode ratios native / llama.cpp;
+- per dtype and batch size, one drafter pass (the speculative rows' head) against one plain target step, and
+  their ratio c, timed as the engine's cost prior times them (`draft_pass.py`);
 - the process's peak RSS after the native runs, before HF loads its copy of the model,
   against (model bytes + the KV caches allocated) x 1.25 (the bench process only: vLLM's are others).
 """
@@ -59,6 +61,7 @@ import torch
 from specrl.apps.bench import llamacpp
 from specrl.apps.bench.backends import (LLAMACPP, NATIVE, VLLM, add_backends_flag, bench_threads, cpu_record, parse_backends,
                                         ratio, read_bandwidth_gb_s, settings_record, vllm_version)
+from specrl.apps.bench.draft_pass import draft_pass_rows, print_draft_pass
 from specrl.apps.bench.floors import add_floors, forward_work, peak_rates, print_floors
 from specrl.apps.bench.forward_curve import forward_cost_curve, forward_split, plot_forward_curve
 from specrl.apps.bench.step_split import step_split
@@ -178,7 +181,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
          backends: tuple[str, ...], dtypes: tuple[str, ...], llamacpp_bin: str | None) -> dict:
     drafter = spec_drafter(settings)
     settings = settings.replace(max_batch=max(settings.max_batch, *batch_sizes), threads=threads, drafter=drafter)
-    rows, curve, splits, step_splits, memory, weight_bytes, work = [], [], [], [], None, {}, {}
+    rows, curve, splits, step_splits, passes, memory, weight_bytes, work = [], [], [], [], [], None, {}, {}
     # llama.cpp's binaries first (a build shows progress; a failed one is one line and no rows)
     llamacpp_builds = llamacpp.builds(settings.home, llamacpp_bin, cpu_info()[1]) if LLAMACPP in backends else []
     baseline = _rss()  # python, torch and transformers imported, no model yet
@@ -201,6 +204,8 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
         curve += forward_cost_curve(spec.target, list(CURVE_BATCHES), list(CURVE_POSITIONS), dtype)
         splits += [s for s in [forward_split(spec.target, dtype)] if s is not None]
         step_splits.append(step_split(plain, prompts[0], dtype))
+        if spec.drafter is not None:
+            passes += draft_pass_rows(spec.target, spec.drafter, batch_sizes, dtype)
         work[dtype] = forward_work(spec.target, dtype, tuple(sorted({p["rows"] for p in curve if p["dtype"] == dtype})))
         if memory is None:  # the first dtype's (float32 unless --dtypes says otherwise): the memory limit is its
             memory = _memory_report(model_dir, {NATIVE_PLAIN: plain.cache, NATIVE_SPEC: spec.cache,
@@ -228,6 +233,7 @@ def _run(settings: Settings, batch_sizes: list[int], new_tokens: int, out: Path,
                                "peak_macs_per_s": peaks, "work": work}
     result["forward_split"] = splits
     result["step_split"] = step_splits
+    result["draft_pass"] = passes
     _print_table(result)
     _write_report(result, out)
     plot_forward_curve(curve, out / "forward-curve.png")
@@ -489,6 +495,7 @@ def _print_table(result: dict) -> None:
     for split in result.get("step_split", []):
         print(f"B=1 plain decode step ({split['dtype']}): {split['step_ms']:.2f} ms, of which the bare forward "
               f"{split['forward_ms']:.2f} ms, outside it {split['outside_ms']:.2f} ms (side by side)")
+    print_draft_pass(result.get("draft_pass", []))
     print(f"cpu {result['cpu']['model']} flags {','.join(result['cpu']['flags'])}")
     print(f"engines' peak RSS {mem['engines_peak_rss_bytes'] / 2**20:.0f} MiB over a {mem['baseline_rss_bytes'] / 2**20:.0f} MiB "
           f"process (limit (model + KV) x {RSS_HEADROOM} = {mem['limit_bytes'] / 2**20:.0f} MiB: "

@@ -36,8 +36,9 @@ class Settings:
     # ---- where things are
     home: Path = setting(factory=_default_home, help="cache home: models, weights, runs, reports")
     model: str = setting("smollm2-135m", "model alias (smollm2-135m, tiny-random) or an HF safetensors directory")
-    drafter: str = setting("day0", "drafter directory, 'day0' (an untrained EAGLE head built from the target) "
-                                   "or 'none'")
+    drafter: str = setting("pretrained", "'pretrained' (the head shipped for the model, trained offline on its "
+                                         "own outputs; day0 where none ships), 'day0' (an untrained EAGLE head built "
+                                         "from the target), 'none', or a drafter directory")
     store: str = setting("", "weights store root (default <home>/weights)")
     durable_store: str = setting("", "where a server pulls a version its own store lacks, after Ray's object store, "
                                      "and where trainers copy each version they publish (when it is not their "

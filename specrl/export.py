@@ -72,9 +72,9 @@ def draft_head_tensors(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.T
 def export_vllm(drafter_dir: Path, target_dir: Path, out_dir: Path) -> Path:
     """Write the EAGLE-1 head directory for the drafter in `drafter_dir` (specrl format) serving
     the target in `target_dir` (HF safetensors). -> out_dir."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    from specrl.models.drafter import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig
+    from specrl.models.drafter import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig, read_state
     from specrl.models.llama import TensorSource
 
     drafter_dir, target_dir, out_dir = Path(drafter_dir), Path(target_dir), Path(out_dir)
@@ -86,7 +86,7 @@ def export_vllm(drafter_dir: Path, target_dir: Path, out_dir: Path) -> Path:
     if cfg.hidden_size != hf_config["hidden_size"] or cfg.vocab_size != hf_config["vocab_size"]:
         raise IncompatibleDrafterError(f"the drafter (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit "
                                        f"the target in {target_dir}")
-    state = load_file(str(drafter_dir / WEIGHTS_FILE))
+    state = read_state(drafter_dir)
     tensors = eagle_layer_tensors(state, cfg)
     extra = {INPUT_NORM: tensors.pop(INPUT_NORM), **draft_head_tensors(state, cfg)}
     source = TensorSource.from_dir(target_dir)

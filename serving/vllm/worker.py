@@ -190,13 +190,11 @@ def _move_final_norm(target: nn.Module):
 def _drafter_tensors(directory: Path, model: nn.Module):
     """A specrl drafter directory -> (vLLM EAGLE-1 tensors of fc + layer, input-norm weight,
     (reduced head or None, its token map or None)), all checked."""
-    from safetensors.torch import load_file
-
     from specrl.export import DRAFT_HEAD, DRAFT_TO_TARGET, INPUT_NORM, draft_head_tensors, eagle_layer_tensors
-    from specrl.models.drafter import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig
+    from specrl.models.drafter import CONFIG_FILE, DrafterConfig, read_state
 
     cfg = DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
-    state = load_file(str(directory / WEIGHTS_FILE))
+    state = read_state(directory)
     tensors = eagle_layer_tensors(state, cfg)
     head = draft_head_tensors(state, cfg)
     hf = model.config

@@ -23,7 +23,7 @@ DESCRIPTION = "Serve with speculative decoding, learn the drafter online, hot-sw
 COMMAND_GROUPS = (
     ("Serve", ("serve", "generate")),
     ("Run the whole loop", ("up",)),
-    ("Train", ("train-drafter",)),
+    ("Train", ("train-drafter", "pretrain-drafter")),
     ("RL", ("rl",)),
     ("Evaluate", ("eval-policy",)),
     ("Benchmark", ("bench",)),
@@ -49,14 +49,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specrl.apps import admin, bench, eval_policy, rl, up
+    from specrl.apps import admin, bench, eval_policy, pretrain_drafter, rl, up
 
     parser = argparse.ArgumentParser(prog="specrl", formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Run `specrl <command> --help` for a command's flags.")
     # argparse's own list of the commands is suppressed: the description lists them, grouped.
     sub = parser.add_subparsers(metavar="<command>", help=argparse.SUPPRESS)
     for register in (register_fetch_model, register_generate, up.register, rl.register, eval_policy.register,
-                     register_serve, register_export_drafter, register_train_drafter, bench.register,
+                     register_serve, register_export_drafter, register_train_drafter, pretrain_drafter.register,
+                     bench.register,
                      admin.register):
         register(sub)
     # Set after add_subparsers: the commands' own usage lines ("usage: specrl serve ...") derive from it.

@@ -2,20 +2,31 @@
 
 A (re)started server, the vLLM backend and the drafter trainer all start on the weights store's
 `current` versions when there are any, else on the base model and the drafter the settings name
-(`settings.drafter`: "day0" = an untrained head built from the target, "none", or a drafter
-directory). Without a store (`specrl generate`, benchmarks) only the settings count.
+(`settings.drafter`: "pretrained" = the head shipped for the model, "day0" = an untrained head built
+from the target, "none", or a drafter directory). Without a store (`specrl generate`, benchmarks)
+only the settings count.
+
+A shipped head (`specrl/drafters/<model alias>/`, written by `specrl pretrain-drafter`) is checked
+against the sha256 its PRETRAINED_MANIFEST records before anything loads it, and serves as version
+"pretrained-<first 12 hex digits>"; a model without one starts from day0, as before.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from specrl.config import Settings
+from specrl.errors import IncompatibleDrafterError
 from specrl.weights import WeightsStore
 
 DAY0 = "day0"
+PRETRAINED = "pretrained"
 NO_DRAFTER = "none"
+SHIPPED_DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"  # <alias>/: drafter.json, .safetensors, manifest
+PRETRAINED_MANIFEST = "pretrained.json"  # the command, its minutes and curve, and the weights file's sha256
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,11 @@ def start_weights(settings: Settings, base_dir: Path, store: WeightsStore | None
         drafter, drafter_version = str(store.verify("drafter", current)), current
     elif settings.drafter == NO_DRAFTER:
         drafter, drafter_version = NO_DRAFTER, NO_DRAFTER
+    elif settings.drafter == PRETRAINED and shipped_drafter(settings.model) is not None:
+        drafter = str(shipped_drafter(settings.model))
+        drafter_version = f"{PRETRAINED}-{verified_sha256(Path(drafter))[:12]}"
+    elif settings.drafter == PRETRAINED:  # no head ships for this model
+        drafter, drafter_version = DAY0, settings.drafter_version
     else:
         drafter, drafter_version = settings.drafter, settings.drafter_version
     return StartWeights(policy_dir, policy or settings.target_version, drafter, drafter_version)
@@ -55,3 +71,24 @@ def build_drafter(drafter: str, target, settings: Settings, vocabulary=None):
         return EagleDrafter.day0(target, seed=settings.seed, draft_vocab_size=settings.draft_vocab_size,
                                  vocabulary=vocabulary)
     return EagleDrafter.load(Path(drafter), target)
+
+
+def shipped_drafter(model: str) -> Path | None:
+    """The directory of the head shipped for model alias `model`, or None when none ships."""
+    directory = SHIPPED_DRAFTERS / model
+    return directory if (directory / PRETRAINED_MANIFEST).is_file() else None
+
+
+def verified_sha256(directory: Path) -> str:
+    """The sha256 of a shipped head's weights file, after checking it against its manifest's
+    (IncompatibleDrafterError, naming the file, when it differs or the manifest is unreadable)."""
+    try:
+        manifest = json.loads((directory / PRETRAINED_MANIFEST).read_text())
+        want, name = manifest["sha256"], manifest["weights_file"]
+        digest = hashlib.sha256((directory / name).read_bytes()).hexdigest()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise IncompatibleDrafterError(f"the shipped drafter in {directory} is unreadable: {exc}") from None
+    if digest != want:
+        raise IncompatibleDrafterError(f"{directory / name} has sha256 {digest[:12]}..., its manifest says "
+                                       f"{want[:12]}...: reinstall specrl or pass --drafter day0")
+    return digest

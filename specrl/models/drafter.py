@@ -36,6 +36,12 @@ if TYPE_CHECKING:
 ARCHITECTURE = "eagle1-llama"
 CONFIG_FILE = "drafter.json"
 WEIGHTS_FILE = "drafter.safetensors"
+# The weights file's "format" metadata for a compact copy (a head shipped in the repository): every 2-D weight
+# as int8 rows, each with a float32 scale (its largest |value| / 127) under the weight's name + SCALE_SUFFIX; the
+# rest as saved. Half of bfloat16's bytes (SmolLM2's 8k head: ~9 MB against ~18), a rounding of ~0.4% of a row's
+# largest value, which the serving formats round again (int8 and q4 per group of 32).
+INT8_ROWS = "int8-rows"
+SCALE_SUFFIX = ".scale"
 
 
 @dataclass(frozen=True)
@@ -225,19 +231,21 @@ class EagleDrafter(nn.Module):
                 drafter.head.copy_(target.head_rows(drafter.draft_to_target))
         return drafter
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, int8_rows: bool = False) -> None:
+        """Write drafter.json and drafter.safetensors (int8_rows: the compact INT8_ROWS copy) into `directory`."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(directory / WEIGHTS_FILE))
+        metadata = None
+        if int8_rows:
+            tensors, metadata = _int8_rows(tensors), {"format": INT8_ROWS}
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata=metadata)
         (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=2))
 
     @classmethod
     def load(cls, directory: Path, target: Llama) -> "EagleDrafter":
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
             raise IncompatibleDrafterError(f"{directory} is not a drafter: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
@@ -246,7 +254,7 @@ class EagleDrafter(nn.Module):
         except (TypeError, ValueError) as exc:
             raise IncompatibleDrafterError(f"{directory / CONFIG_FILE} is not a drafter config: {exc}") from None
         drafter = cls(cfg, target)
-        state = load_file(str(directory / WEIGHTS_FILE))
+        state = read_state(directory)
         own = drafter.state_dict()
         if set(state) != set(own):
             raise IncompatibleDrafterError(f"{directory / WEIGHTS_FILE} tensors {sorted(set(state) ^ set(own))[:3]} do not fit {ARCHITECTURE}")
@@ -255,6 +263,36 @@ class EagleDrafter(nn.Module):
                 raise IncompatibleDrafterError(f"drafter tensor {name} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
         drafter.load_state_dict(state)
         return drafter
+
+
+def read_state(directory: Path) -> dict[str, torch.Tensor]:
+    """A drafter directory's weights file -> its tensors by state-dict name, an INT8_ROWS file's weights scaled
+    back to float32 (IncompatibleDrafterError when the file is not a readable safetensors file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(Path(directory) / WEIGHTS_FILE), "pt") as f:
+            tensors, metadata = {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+    except (OSError, SafetensorError) as exc:
+        raise IncompatibleDrafterError(f"{Path(directory) / WEIGHTS_FILE} is not a drafter weights file: {exc}") from None
+    if metadata.get("format") != INT8_ROWS:
+        return tensors
+    return {name: value.float() * tensors[name + SCALE_SUFFIX][:, None] if name + SCALE_SUFFIX in tensors else value
+            for name, value in tensors.items() if not name.endswith(SCALE_SUFFIX)}
+
+
+def _int8_rows(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every 2-D floating tensor -> int8 rows and their float32 scales (INT8_ROWS); the rest unchanged."""
+    out = {}
+    for name, value in tensors.items():
+        if value.dim() != 2 or not value.is_floating_point():
+            out[name] = value
+            continue
+        value = value.float()
+        scale = value.abs().amax(1).clamp_min(1e-12) / 127
+        out[name] = torch.round(value / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        out[name + SCALE_SUFFIX] = scale
+    return out
 
 
 def frequency_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:

@@ -3,7 +3,6 @@ on shipped and on recomputed features for a few CPU-seconds each; the report's s
 curves, the chart, the cache."""
 
 import json
-import shutil
 
 import pytest
 
@@ -15,17 +14,7 @@ from specrl.models.llama import LlamaConfig
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture
-def cache(home):
-    """The traffic caches this test records under <home>/bench-learn, removed afterwards."""
-    root = home / "bench-learn"
-    before = set(root.iterdir()) if root.is_dir() else set()
-    yield root
-    for path in (set(root.iterdir()) if root.is_dir() else set()) - before:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def test_bench_learn_tiny(home, tiny_dir, tmp_path, cache):
+def test_bench_learn_tiny(home, tiny_dir, tmp_path, traffic_cache):
     settings = Settings.load(home=home, model="tiny-random", train_records=2)
     run_learn_bench(settings, minutes=0.04, objectives=["kl"], sources=["shipped", "recomputed"], prompts=4,
                     heldout=2, max_tokens=24, eval_every_s=1.0, out_dir=str(tmp_path))
@@ -53,7 +42,7 @@ def test_bench_learn_tiny(home, tiny_dir, tmp_path, cache):
     assert again["train_records"] == traffic["train_records"]
 
 
-def test_bench_learn_vocabularies_and_resume(home, tiny_dir, tmp_path, cache):
+def test_bench_learn_vocabularies_and_resume(home, tiny_dir, tmp_path, traffic_cache):
     """One run per draft vocabulary, each point with its first-token and per-position acceptance; a
     resumed report continues every curve where it stopped (the same drafter, more tokens, more CPU-s)."""
     vocab_size = LlamaConfig.from_dir(tiny_dir).vocab_size

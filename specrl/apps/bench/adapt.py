@@ -3,7 +3,7 @@
 One run per objective (plus a domain-shift run with --shift), each on its own deployment,
 weights store (a temporary directory) and Redis stream:
 
-    Redis (REDIS_URL, else an embedded Valkey, as `specrl up`) -> `specrl serve` (day-0 drafter)
+    Redis (REDIS_URL, else an embedded Valkey, as `specrl up`) -> `specrl serve` (--drafter: the shipped head)
     -> `specrl train-drafter --objective O --publish-every-s 30` (as `specrl up`; a run shorter
     than 4 min evaluates 8 times per run instead) -> `users` clients replaying the TRAIN split of
     the prompt mix through the chat API (greedy, 64 tokens) -> a checkpoint every ~3 min of traffic.
@@ -11,7 +11,7 @@ weights store (a temporary directory) and Redis stream:
 Checkpoint (at the start, between traffic phases, at the end): the clients finish their
 in-flight requests and stop, the trainer is paused (SIGSTOP; the server then idles), and this
 process measures, on held-out prompts (8 x 48 tokens, EOS honoured), the drafter the server is
-running (the store's `current`, the day-0 head before any publish):
+running (the store's `current`, the head it started on before any publish):
   - acceptance length at k = 4: 1 + accepted / drafting steps, greedy, batch up to 4;
   - tokens/s of the native engine with the adaptive controller vs plain decoding over one
     shared target, prompt by prompt alternately at B = 1 (ratio of the totals, and the median of
@@ -91,7 +91,7 @@ LLAMACPP_DTYPES = ("int8", "q4")  # llama.cpp's fastest formats (Q8_0, Q4_1): it
 
 
 def register(sub) -> None:
-    p = sub.add_parser("adapt", help="day-0 drafter learning on live traffic: acceptance and speed over time, "
+    p = sub.add_parser("adapt", help="the drafter learning on live traffic: acceptance and speed over time, "
                                      "domain shift, objectives")
     p.add_argument("--minutes", type=float, default=10.0, help="minutes of traffic per run")
     p.add_argument("--objectives", default="kl", help="comma-separated: kl,kl_neg,pg (one run each)")
@@ -103,7 +103,7 @@ def register(sub) -> None:
     p.add_argument("--llamacpp-bin", default=None, metavar="DIR",
                    help="llama.cpp's binaries for --llamacpp (default: built once into <home>/llamacpp)")
     p.add_argument("--out", default=None, help="report directory (default <home>/reports/bench-adapt-<time>)")
-    add_settings(p, *COMMON, "model", "dtype", "draft_vocab_size", "redis_url", "publish_every_s")
+    add_settings(p, *COMMON, "model", "dtype", "drafter", "draft_vocab_size", "redis_url", "publish_every_s")
     p.set_defaults(run=run)
 
 
@@ -274,13 +274,14 @@ class Run:
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "SPECRL_ADMIN_TOKEN": secrets.token_hex(16)}
+        # the server and the trainer start on the same head (train-drafter takes it from the environment)
+        env = {**os.environ, "SPECRL_ADMIN_TOKEN": secrets.token_hex(16), "SPECRL_DRAFTER": self.settings.drafter}
         common = ["--model", self.settings.model, "--home", str(self.settings.home), "--redis-url", self.redis_url,
                   "--deployment", self.deployment, "--store", str(self.store.root), "--threads", str(CHILD_THREADS),
                   "--draft-vocab-size", str(self.settings.draft_vocab_size)]
         _progress(f"run={self.spec.name}: starting server and trainer (objective={self.spec.objective}, "
                   f"deployment={self.deployment}, logs in {self.out})")
-        self.children["server"], _ = start_server([*common, "--dtype", self.settings.dtype, "--drafter", "day0",
+        self.children["server"], _ = start_server([*common, "--dtype", self.settings.dtype, "--drafter", self.settings.drafter,
                                                    "--max-batch", str(self.settings.max_batch)], env,
                                                   self.out / "server.log", port=port)
         self.engine = engine_info(self.url)
@@ -329,7 +330,7 @@ class Run:
             wall = self.clock.pauses[-1][0] if self.clock.pauses else time.time()
             drafters = {"online": self.meter.drafter(self.store, self.store.current("drafter"))}
             if self.frozen is not None and label == "end":
-                drafters["frozen"] = self.meter.drafter(self.store, None if self.frozen == "day0" else self.frozen)
+                drafters["frozen"] = self.meter.drafter(self.store, None if self.frozen == self.meter.start[0] else self.frozen)
             _progress(f"run={self.spec.name}: checkpoint {label}: measuring "
                       + ", ".join(f"{k}={v[0]}" for k, v in drafters.items()))
             pids = {"meter": os.getpid(), **{name: child.pid for name, child in self.children.items()}}
@@ -341,7 +342,7 @@ class Run:
                 self._resume()
         trained = read_events(self.events_path, "evaluate") if "trainer" in self.children else []
         online = measured["drafters"]["online"]
-        manifest = self.store.manifest("drafter", online["version"]) if online["version"] != "day0" else None
+        manifest = self.store.manifest("drafter", online["version"]) if online["version"] != self.meter.start[0] else None
         row = {"label": label, "time_s": time.monotonic() - self.started, "traffic_s": self.clock(wall),
                "requests": traffic.requests if traffic else 0, "traffic_tokens": traffic.tokens if traffic else 0,
                "trainer_records": int(trained[-1]["records"]) if trained else 0,

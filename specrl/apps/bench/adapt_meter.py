@@ -35,21 +35,22 @@ class Meter:
     def __init__(self, settings: Settings):
         from specrl.apps.bench.engine import native_engines
 
-        self.settings = settings.replace(drafter="day0", max_batch=4, max_seq_len=1024)
+        self.settings = settings.replace(max_batch=4, max_seq_len=1024)
         self.plain, spec = native_engines(self.settings)
-        self.target, self.tokenizer, self.day0 = spec.target, spec.tokenizer, spec.drafter
+        self.target, self.tokenizer = spec.target, spec.tokenizer
+        self.start = (spec.drafter_version, spec.drafter)  # the head the server starts on (--drafter)
         self.head = [self._engine(suffix_capacity=0)]
         self.hybrid = [spec]
-        self.suffix = self._engine(drafter=None)
+        self.suffix = self._engine(with_head=False)
         self.fixed = self._engine(fixed_draft_tokens=FIXED_K, suffix_capacity=0)
         self.reset_index()
         self.warm = False
 
-    def _engine(self, drafter="day0", **changes):
+    def _engine(self, with_head: bool = True, **changes):
         from specrl.engine.engine import Engine
 
         return Engine(self.target, self.tokenizer, self.settings.replace(**changes),
-                      drafter=self.day0 if drafter == "day0" else drafter, plan=self.plain.plan)
+                      drafter=self.start[1] if with_head else None, plan=self.plain.plan)
 
     def reset_index(self) -> None:
         """A new, empty shared suffix index for the engines that use one (a new run's traffic)."""
@@ -71,11 +72,11 @@ class Meter:
         return chat_token_ids(self.tokenizer, prompts)
 
     def drafter(self, store, version: str | None):
-        """-> (version, drafter): a store version (verified), or the day-0 head for None."""
+        """-> (version, drafter): a store version (verified), or the head the server started on for None."""
         from specrl.models.drafter import EagleDrafter
 
         if version is None:
-            return "day0", self.day0
+            return self.start
         drafter = EagleDrafter.load(store.verify("drafter", version), self.target).eval()
         return version, drafter.prepare_inference(self.plain.plan) if self.plain.plan is not None else drafter
 

@@ -298,7 +298,7 @@ def train_run(settings: Settings, model_dir: Path, traffic: dict, objective: str
         examples = _examples(traffic["train"], trainer.book.hidden_size)
         trainer.heldout = deque(_heldout(traffic["heldout"], trainer.book.hidden_size))
         _warm_up(trainer, _as_source(examples[: settings.train_records], source))
-        state_path = state_dir / f"state-{name.replace('/', '-')}.pt"
+        state_path = state_file(state_dir, objective, source, vocabulary)
         if earlier is None:
             curve, cpu, wall, i, epochs = [_point(trainer, 0.0, 0.0, 0)], 0.0, 0.0, 0, 0
         else:
@@ -333,6 +333,11 @@ def train_run(settings: Settings, model_dir: Path, traffic: dict, objective: str
                 "training_examples": len(examples), "heldout_requests": len(trainer.heldout),
                 "trainer_recomputed_tokens": trainer.tokens["trainer_recomputed"],
                 "full_target_loaded": bool(trainer.targets.loaded_full), "epochs": epochs}
+
+
+def state_file(state_dir: Path, objective: str, source: str, vocabulary: str) -> Path:
+    """Where `train_run` keeps a run's drafter, optimizer and place in the traffic."""
+    return state_dir / f"state-{objective}-{source}-{vocabulary}.pt"
 
 
 def _as_source(batch: list, source: str) -> list:

@@ -5,8 +5,8 @@ frozen embeddings and final norm. Its output is a predicted next hidden state: t
 norm and an output head it gives draft logits, and it is the feature for the next draft step.
 The output head is either the target's own lm_head (full vocabulary) or a reduced draft
 vocabulary [V_d, H] with a token map `draft_to_target` [V_d] int64 (the full 49k head is most of
-a small drafter's cost: measured on SmolLM2, a pass takes 28.5 ms with the full head, 5.4 ms
-with an 8k one).
+a small drafter's cost: measured on SmolLM2 on an early, slower build, a pass took 28.5 ms with the
+full head, 5.4 ms with an 8k one; `specrl bench engine` prints today's pass beside a target step).
 
 Features are divided per dimension by `feature_scale` (target hidden states have outlier
 dimensions with RMS in the hundreds); a scale, not a shift, so it folds into `fc` on export.

@@ -13,10 +13,10 @@ the suffix index, which here drafts from each request's own prompt and output on
 requests do not join it: the timed run repeats the warm-up's prompts). Every engine computes with the same number of threads
 (`--threads`, default: vLLM's own default on CPU, all usable cores but one). vLLM runs in child
 processes (`specrl.apps.bench.vllm_engine` says how and why), the engine `specrl serve --backend vllm`
-serves: its speculative rows use the same drafter (the day-0 head unless --drafter names one)
+serves: its speculative rows use the same drafter (--drafter's: the shipped head by default, else day-0)
 with k per batch size from the measured cost schedule (or --fixed-draft-tokens), where native
 picks k per step; the report says which ran (`vllm.speculation`: "off" where the schedule drafts
-at no batch size, as with the day-0 head on every CPU measured). Ratios vLLM / native per B
+at no batch size, as with the untrained day-0 head on every CPU measured). Ratios vLLM / native per B
 for tokens/s and TTFT. Besides throughput the report holds:
 
 - the memory-bandwidth bound at B = 1: the machine's read bandwidth (`t.sum()` over a 1 GiB
@@ -269,8 +269,8 @@ def _progress(message: str) -> None:
 
 def native_engines(settings: Settings):
     """-> (plain, speculative) engines over one shared target. Plain: no drafter, no suffix index.
-    Speculative: as served (the configured drafter directory, else the untrained day-0 head, beside
-    the suffix index unless --suffix-capacity 0)."""
+    Speculative: as served (--drafter's head: the shipped one by default; the untrained day-0 head for
+    --drafter none), beside the suffix index unless --suffix-capacity 0."""
     from specrl.engine.engine import Engine
 
     spec = Engine.from_settings(settings.replace(drafter=spec_drafter(settings)))
@@ -279,7 +279,7 @@ def native_engines(settings: Settings):
 
 
 def spec_drafter(settings: Settings) -> str:
-    """The drafter setting of the speculative rows: the configured one, else the day-0 head."""
+    """The drafter setting of the speculative rows: the configured one, the day-0 head for "none"."""
     return settings.drafter if settings.drafter != "none" else "day0"
 
 

@@ -13,7 +13,7 @@ vLLM runs as it always does, its engine core in a process of its own beside the 
 process; its model worker gets the bench's thread count, unpinned (`backends.vllm_env`).
 
 One child per dtype, holding both engines: vLLM plain (`drafter none`) and vLLM with the
-drafter (the configured one, else the day-0 head with the native rows' seed: the same weights),
+drafter (the configured one, the shipped head by default, else the day-0 head with the native rows' seed: the same weights),
 each its own AsyncLLM with its own engine core process, started one after the other. Per batch
 size both are warmed up, then timed in alternating rounds like the native rows
 (`engine.measure_alternately`): measured one child after the other, vLLM speculative over plain

@@ -10,7 +10,7 @@ serves:
    `--minutes` CPU-minutes (`bench learn`'s `train_run`: the same loss, optimizer and held-out curve);
 3. the drafter saved compact (int8 rows, `drafter.INT8_ROWS`) in `--out`, beside PRETRAINED_MANIFEST: the
    command, the settings, the minutes, the held-out curve, the machine, and the weights file's sha256, which
-   `--drafter pretrained` checks before it loads the head.
+   `--drafter pretrained` checks before it loads the head; the curve drawn under <home>/reports/.
 Reproducible up to the machine: the same seed, prompts and minutes give the same traffic and the same order of
 training; the CPU-minute budget ends the run at a step count that depends on the CPU's speed (the manifest
 says how many steps ran).
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from specrl.apps.bench.backends import machine_record, settings_record
-from specrl.apps.bench.learn import default_vocabulary, generated_counts, record_traffic, state_file, train_run
+from specrl.apps.bench.learn import FIXED_K, default_vocabulary, generated_counts, plot, record_traffic, state_file, train_run
 from specrl.apps.flags import COMMON, add_settings, settings_from
 from specrl.config import Settings
 from specrl.engine.start import PRETRAINED_MANIFEST, SHIPPED_DRAFTERS
@@ -98,4 +98,17 @@ def pretrain_drafter(settings: Settings, out: Path, *, minutes: float, prompts: 
                 "machine": machine, "torch": torch.__version__, "weights_file": WEIGHTS_FILE,
                 "weights_bytes": len(weights), "sha256": hashlib.sha256(weights).hexdigest()}
     (out / PRETRAINED_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    chart = settings.home / "reports" / f"pretrain-drafter-{time.strftime('%Y%m%d-%H%M%S')}.png"
+    plot_curve(manifest, chart)
+    print(f"chart: {chart}")
     return manifest
+
+
+def plot_curve(manifest: dict, path: Path) -> Path:
+    """A pretrained head's held-out curve (its manifest's) as `bench learn` draws one run -> a PNG at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run = {"objective": manifest["objective"], "source": manifest["feature_source"],
+           "vocabulary": manifest["vocabulary"], "curve": manifest["curve"]}
+    plot({"runs": [run], "eval_k": FIXED_K, "model": manifest["model"], "traffic": manifest["traffic"],
+          "minutes": manifest["minutes"]}, path)
+    return path

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specrl.apps.cli import main
-from specrl.apps.pretrain_drafter import pretrain_drafter
+from specrl.apps.pretrain_drafter import plot_curve, pretrain_drafter
 from specrl.config import Settings
 from specrl.engine import start
 from specrl.engine.engine import Engine
@@ -23,6 +23,8 @@ def test_pretrain_drafter_writes_a_head_that_pretrained_serves(home, tiny_dir, t
     settings = Settings.load(home=home, model="tiny-random", train_records=2, draft_vocab_size=64)
     out = tmp_path / "drafters" / "tiny-random"
     manifest = pretrain_drafter(settings, out, minutes=0.03, prompts=4, heldout=2, max_tokens=24, eval_every_s=1.0)
+    chart = plot_curve(manifest, tmp_path / "curve.png")  # what the command draws under <home>/reports
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     weights = (out / WEIGHTS_FILE).read_bytes()
     assert manifest == json.loads((out / PRETRAINED_MANIFEST).read_text())

@@ -86,11 +86,14 @@ def test_greedy_speculation_equals_plain_greedy_tiny(make_engine, tokenizer, fix
 
 
 @pytest.mark.slow
-def test_greedy_speculation_equals_plain_greedy_smollm2(make_engine, tokenizer):
+@pytest.mark.parametrize("drafter", ["day0", "pretrained"])  # pretrained: the head shipped for SmolLM2
+def test_greedy_speculation_equals_plain_greedy_smollm2(make_engine, tokenizer, drafter):
     prompts = chat_prompts(tokenizer, 8)
     params = SamplingParams(max_tokens=32, temperature=0.0)
     plain = make_engine(model="smollm2-135m", drafter="none", max_batch=4).generate(prompts, params)
-    spec = make_engine(model="smollm2-135m", max_batch=4, fixed_draft_tokens=4).generate(prompts, params)
+    engine = make_engine(model="smollm2-135m", drafter=drafter, max_batch=4, fixed_draft_tokens=4)
+    assert engine.drafter_version.startswith(drafter)
+    spec = engine.generate(prompts, params)
     assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
     assert sum(c.spec.num_draft_tokens for c in spec) > 0
 

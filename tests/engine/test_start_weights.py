@@ -11,8 +11,8 @@ from specrl.config import Settings
 from specrl.engine import start
 from specrl.engine.start import DAY0, PRETRAINED, PRETRAINED_MANIFEST, start_weights
 from specrl.errors import IncompatibleDrafterError
-from specrl.models.drafter import WEIGHTS_FILE, EagleDrafter
-from specrl.models.llama import load_llama
+from specrl.models.drafter import CONFIG_FILE, WEIGHTS_FILE, DrafterConfig, EagleDrafter
+from specrl.models.llama import LlamaConfig, load_llama
 from specrl.weights import WeightsStore
 
 
@@ -64,3 +64,14 @@ def test_the_stores_current_drafter_wins_over_the_shipped_head(shipped, tiny_dir
 
 def test_the_default_drafter_is_pretrained():
     assert Settings().drafter == PRETRAINED
+
+
+def test_the_head_shipped_for_smollm2_verifies_fits_and_was_trained(smollm_dir):
+    directory = start.shipped_drafter("smollm2-135m")
+    assert directory is not None and start.shipped_drafter("tiny-random") is None
+    manifest = json.loads((directory / PRETRAINED_MANIFEST).read_text())
+    assert start.verified_sha256(directory) == manifest["sha256"]
+    DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text())).check_fits(LlamaConfig.from_dir(smollm_dir))
+    assert (directory / WEIGHTS_FILE).stat().st_size <= 10 * 2**20  # small enough to ship in the repository
+    curve = manifest["curve"]
+    assert curve[-1]["acceptance_length"] > curve[0]["acceptance_length"] + 0.3 and manifest["command"][1] == "pretrain-drafter"

@@ -31,6 +31,7 @@ import torch
 from specrl.apps.bench.backends import machine_record, settings_record
 from specrl.apps.bench.learn import FIXED_K, default_vocabulary, generated_counts, plot, record_traffic, state_file, train_run
 from specrl.apps.flags import COMMON, add_settings, settings_from
+from specrl.assets import resolve_model
 from specrl.config import Settings
 from specrl.engine.start import PRETRAINED_MANIFEST, SHIPPED_DRAFTERS
 from specrl.errors import InvalidRequestError
@@ -70,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
 def pretrain_drafter(settings: Settings, out: Path, *, minutes: float, prompts: int, heldout: int, max_tokens: int,
                      eval_every_s: float) -> dict:
     """Record (or load) the traffic, train one head, write it compact with its manifest into `out` -> the manifest."""
-    from specrl.assets import resolve_model
-
     if minutes <= 0 or prompts < 1 or heldout < 1 or max_tokens < 1 or eval_every_s <= 0:
         raise InvalidRequestError("--minutes, --prompts, --heldout, --max-tokens and --eval-every must be > 0")
     model_dir = resolve_model(settings.model, settings.home)

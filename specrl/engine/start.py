@@ -50,11 +50,12 @@ def start_weights(settings: Settings, base_dir: Path, store: WeightsStore | None
         drafter, drafter_version = str(store.verify("drafter", current)), current
     elif settings.drafter == NO_DRAFTER:
         drafter, drafter_version = NO_DRAFTER, NO_DRAFTER
-    elif settings.drafter == PRETRAINED and shipped_drafter(settings.model) is not None:
-        drafter = str(shipped_drafter(settings.model))
-        drafter_version = f"{PRETRAINED}-{verified_sha256(Path(drafter))[:12]}"
-    elif settings.drafter == PRETRAINED:  # no head ships for this model
-        drafter, drafter_version = DAY0, settings.drafter_version
+    elif settings.drafter == PRETRAINED:
+        shipped = shipped_drafter(settings.model)
+        if shipped is None:  # no head ships for this model
+            drafter, drafter_version = DAY0, settings.drafter_version
+        else:
+            drafter, drafter_version = str(shipped), f"{PRETRAINED}-{verified_sha256(shipped)[:12]}"
     else:
         drafter, drafter_version = settings.drafter, settings.drafter_version
     return StartWeights(policy_dir, policy or settings.target_version, drafter, drafter_version)

@@ -75,7 +75,10 @@ def build_drafter(drafter: str, target, settings: Settings, vocabulary=None):
 
 
 def shipped_drafter(model: str) -> Path | None:
-    """The directory of the head shipped for model alias `model`, or None when none ships."""
+    """The directory of the head shipped for model alias `model`, or None when none ships (a model directory
+    is no alias)."""
+    if not model or Path(model).name != model:
+        return None
     directory = SHIPPED_DRAFTERS / model
     return directory if (directory / PRETRAINED_MANIFEST).is_file() else None
 

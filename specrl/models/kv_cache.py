@@ -87,19 +87,20 @@ class CacheBatch:
         self.fused = fuses(cache) and num_tokens <= FUSED_MAX_TOKENS
         if self.fused:  # the kernel's arguments that hold for every layer, read once (a call costs ~3 us)
             self._flat_tokens = self.rows if self.rows is not None else torch.arange(len(slots) * num_tokens)
-            self.positions = self._positions = self.positions.contiguous()
+            self.positions = self.positions.contiguous()  # the kernel reads it (and `advance` moves it)
             self._slots = slots.to(torch.int64).contiguous()
             self._layer_bytes = k[0].numel() * k.element_size()
-            self._kernel_args = (k.data_ptr(), v.data_ptr(), self._slots.data_ptr(), self._positions.data_ptr(),
+            self._kernel_args = (k.data_ptr(), v.data_ptr(), self._slots.data_ptr(), self.positions.data_ptr(),
                                  self._flat_tokens.data_ptr(), len(self._flat_tokens), num_tokens)
             self._kernel_shape = (kvh, d, max_len)
 
     def advance(self) -> None:
         """Move every row one position on, in place (the next pass of a drafting loop: one token a row, each
-        following the one just written). A fused batch only: its kernel arguments point at `positions`, so they
-        stay valid and the batch is not rebuilt (20 us a pass, a tenth of a drafter pass at B = 1)."""
-        if not (self.fused and self._num_tokens == 1 and self.rows is None):
-            raise ValueError("only a fused batch of one token a row can advance in place")
+        following the one just written), instead of building a new batch (20 us a pass, a tenth of a drafter
+        pass at B = 1). A fused batch's kernel arguments point at `positions`, so they stay valid; the torch
+        path's views and mask are cut again on their next use."""
+        if self._num_tokens != 1 or self.rows is not None:
+            raise ValueError("only a batch of one token a row can advance in place")
         if self.length + 1 > self._cache.max_len:
             raise ValueError(f"position {self.length} does not fit a KV cache of {self._cache.max_len} positions")
         self.positions += 1

@@ -105,8 +105,7 @@ def propose(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: t
     predicted hidden state and the token it just drafted."""
     rows = torch.arange(len(slots))
     hidden = catch_up(drafter, cache, slots, start, features, tokens)[rows, lengths - 1]  # [B, H]
-    position = start + lengths  # [B]: where each row's first further pass writes
-    batch = CacheBatch(cache, slots, position, 1) if k > 1 else None  # built once, advanced a pass
+    batch = CacheBatch(cache, slots, start + lengths, 1) if k > 1 else None  # the further passes', advanced a pass
     out_tokens, out_probs, out_logprobs = [], [], []
     eos_ids = drafter.target.cfg.eos_token_ids
     all_greedy = sampler.all_greedy
@@ -127,12 +126,10 @@ def propose(drafter: EagleDrafter, cache: KVCache, slots: torch.Tensor, start: t
             out_probs.append(_to_target_vocab(drafter, probs))
         token = drafter.to_target_ids(draft_ids)
         out_tokens.append(token)
-        if i + 1 < k and batch.fused:
+        if i + 1 < k:
             if i:
                 batch.advance()
             hidden = drafter.step(hidden, token, batch)
-        elif i + 1 < k:  # a cache the C kernels do not take (bfloat16): the batch is built each pass
-            hidden = drafter(hidden[:, None], token[:, None], slots, position + i, cache)[:, 0]
     if k == 0:
         return Draft.empty(len(slots))
     return Draft(torch.stack(out_tokens, 1), torch.stack(out_probs, 1) if out_probs else None,

@@ -182,23 +182,26 @@ def test_prepared_drafter_equals_plain_drafter(tiny_dir, draft_vocab_size):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.int8, torch.quint4x2])
-def test_a_drafting_loops_passes_over_one_advanced_batch_equal_forwards(tiny_dir, weight_dtype):
+@pytest.mark.parametrize("storage, dtype, weight_dtype", [("blocked", torch.float32, torch.float32),
+                                                        ("blocked", torch.float32, torch.int8),
+                                                        ("blocked", torch.float32, torch.quint4x2),
+                                                        ("plain", torch.bfloat16, None)])  # torch's attention path
+def test_a_drafting_loops_passes_over_one_advanced_batch_equal_forwards(tiny_dir, storage, dtype, weight_dtype):
     """`EagleDrafter.step` over a batch built once and advanced a pass (`CacheBatch.advance`) computes the
     bits `forward` computes over a batch built at each position, rows at different positions, and writes the
-    same keys and values."""
+    same keys and values: through the C kernels (float32 caches) and through torch's ops (bfloat16)."""
     from specrl.models.kv_cache import CacheBatch
 
-    if cpu_kernels is None:
+    if cpu_kernels is None and storage == "blocked":
         pytest.skip("the stream kernel is not built")
-    plan = ForcedPlan("blocked", torch.float32, weight_dtype)
+    plan = ForcedPlan(storage, dtype, weight_dtype)
     drafter = EagleDrafter.day0(load_llama(tiny_dir, plan=plan), seed=1, draft_vocab_size=64).prepare_inference(plan)
     slots, start = torch.tensor([2, 0]), torch.tensor([5, 9])
     hidden, caches = torch.randn(2, drafter.cfg.hidden_size), [drafter.new_cache(3, 16), drafter.new_cache(3, 16)]
     stepped, forwarded = hidden, hidden
     with torch.inference_mode():
         batch = CacheBatch(caches[0], slots, start, 1)
-        assert batch.fused
+        assert batch.fused == (dtype == torch.float32)
         for i, token in enumerate(torch.tensor([[7, 3], [11, 60], [0, 42]])):
             if i:
                 batch.advance()
